@@ -1,0 +1,47 @@
+# The two commands the README promises: `make demo` and `make test`. Both run as root on a fresh
+# Debian 12 machine and install what they need first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := nginx-light iperf3 aria2 rsync curl openssl iproute2 python3-venv python3-pip \
+	python3-pyroute2 python3-apscheduler python3-yaml python3-requests python3-sdnotify \
+	python3-prometheus-client python3-pytest python3-numpy
+DEB_BUILD_PACKAGES := debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
+	lintian systemd fakeroot
+
+.PHONY: test demo bench deps venv lint deb clean
+
+deps: .deps-stamp
+.deps-stamp:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	@systemctl disable --now nginx >/dev/null 2>&1 || true  # the testbed runs its own nginx per host
+	@touch $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml .deps-stamp
+	/usr/bin/python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+	# The same shaping and testbed tests under Debian's python3 with Debian's packaged libraries.
+	PYTHONPATH=$(CURDIR) /usr/bin/python3 -m pytest -q -p no:cacheprovider -m debian tests/integration
+
+bench: venv
+	@for b in tests/bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+demo: venv
+	$(PY) -m tests.demo
+
+clean:
+	rm -rf $(VENV) .deps-stamp build *.egg-info .pytest_cache .ruff_cache
