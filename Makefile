@@ -45,3 +45,17 @@ demo: venv
 
 clean:
 	rm -rf $(VENV) .deps-stamp build *.egg-info .pytest_cache .ruff_cache
+
+# The Debian package (packaging/deb): built from a copy of the tree with Debian's python3 only,
+# into build/deb/; `deb-check` is its CI acceptance (installs, tests and purges it: root, CI box).
+deb:
+	@missing=""; for p in $(DEB_BUILD_PACKAGES) build-essential man-db; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+	packaging/build-deb.sh
+
+.PHONY: deb-check
+deb-check: deps deb
+	packaging/check-deb.sh

@@ -3,14 +3,52 @@
 Only ``agent.policy`` (the loader and validator) ever touches raw YAML; everything else takes a
 ``Policy``. Rates are bits per second, sizes bytes, durations seconds. Defaults here are the
 defaults of the YAML keys, documented key by key in ``policies/fleet.example.yaml``.
+
+The loader is driven by these classes: a YAML key is a field name, its type comes from the
+annotation and its unit from the field's metadata. To add a key, add a field here, e.g.::
+
+    burst: int = size_field(64 * 2**10)           # "64KiB" in YAML, bytes here
+    settle: float = duration_field(2.0, min=0.1)  # "2s" in YAML, seconds; at least 100ms
+    mode: str = "auto"                            # plain text, no unit
+
+and document it in ``policies/fleet.example.yaml``; ``agent/policy.py`` needs no change.
+Metadata keys the loader understands: ``unit`` (rate, size, duration, port, port_range),
+``min``/``max`` (bounds, in the field's own unit), ``choices`` (allowed values), ``yaml``
+(False: not a YAML key), ``key`` (the field is the mapping key of a keyed list).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_WAVES = ("inference", "evaluation", "training")
 SCHEMA_VERSION = 1
+
+
+def rate_field(default: Any, **meta: Any) -> Any:
+    """A rate field: YAML ``300mbit``/``200MB/s``, bits per second here."""
+    return field(default=default, metadata={"unit": "rate", **meta})
+
+
+def size_field(default: Any, **meta: Any) -> Any:
+    """A size field: YAML ``64MiB``, bytes here."""
+    return field(default=default, metadata={"unit": "size", **meta})
+
+
+def duration_field(default: Any, **meta: Any) -> Any:
+    """A duration field: YAML ``15m``/``1h30m``/``100ms``, seconds here."""
+    return field(default=default, metadata={"unit": "duration", **meta})
+
+
+def ports_field(default: Any, **meta: Any) -> Any:
+    """TCP ports, 1..65535: YAML ``8080`` or ``[80, 443]``."""
+    return field(default=default, metadata={"unit": "port", **meta})
+
+
+def port_ranges_field(default: Any, **meta: Any) -> Any:
+    """Inclusive port ranges: YAML ``[29500, "40000-40100"]``, ``((29500, 29500), ...)`` here."""
+    return field(default=default, metadata={"unit": "port_range", **meta})
 
 
 @dataclass(frozen=True)
@@ -18,86 +56,96 @@ class Window:
     """A time window in which pulls may run: opens at each ``cron`` match, lasts ``duration``.
 
     ``cron`` is five fields (minute hour day-of-month month day-of-week), day-of-week in cron's
-    numbering (0 or 7 = Sunday) or names (mon-fri). A window may run across midnight.
+    numbering (0 or 7 = Sunday) or names (mon-fri). A window may run across midnight. Times are
+    UTC.
     """
 
     cron: str
-    duration: float
+    duration: float = field(metadata={"unit": "duration"})
 
 
 @dataclass(frozen=True)
 class Role:
-    name: str
-    hosts: tuple[str, ...] = ()          # fnmatch patterns against the node's hostname
-    windows: tuple[Window, ...] = ()     # empty: pulls may run at any time
+    name: str = field(metadata={"key": True})  # the key under `roles:`
+    hosts: tuple[str, ...] = ()      # fnmatch patterns against the node's hostname
+    windows: tuple[Window, ...] = ()  # empty: pulls may run at any time
 
 
 @dataclass(frozen=True)
 class Waves:
     order: tuple[str, ...] = DEFAULT_WAVES
-    gap: float = 1800.0                  # between the start of one wave and the next
-    spread: float = 1200.0               # per-node offsets are uniform in [0, spread)
+    gap: float = duration_field(1800.0)     # between the start of one wave and the next
+    spread: float = duration_field(1200.0)  # per-node offsets are uniform in [0, spread)
+    # wave 0 starts this long after publication, so the cache role (which starts at once) fills
+    # first
+    cache_lead: float = duration_field(0.0)
 
 
 @dataclass(frozen=True)
 class Source:
-    url: str                             # http(s) base URL; a version is at {url}/{model}/{version}/
-    proxy: str | None = None             # HTTP proxy for this source (e.g. a Dragonfly dfdaemon)
-    ca_bundle: str | None = None         # PEM file; TLS verification is always on
-    credentials: str | None = None       # file: "bearer TOKEN" or "basic USER:PASSWORD"; never logged
+    url: str                        # http(s) base URL; a version is at {url}/{model}/{version}/
+    proxy: str | None = None        # HTTP proxy for this source (e.g. a Dragonfly dfdaemon)
+    ca_bundle: str | None = None    # PEM file; TLS verification is always on
+    credentials: str | None = None  # file: "bearer TOKEN" or "basic USER:PASSWORD"; never logged
 
 
 @dataclass(frozen=True)
 class Model:
     name: str
-    version: str = "latest"              # "latest": resolved by polling {source}/{model}/latest
-    pin: tuple[str, ...] = ()            # versions eviction never removes
+    version: str = "latest"         # "latest": resolved by polling {source}/{model}/latest
+    pin: tuple[str, ...] = ()       # versions eviction never removes
 
 
 @dataclass(frozen=True)
 class Store:
     path: str = "/var/cache/wagent"
-    keep_versions: int = 2               # per model, newest first, pins on top
-    max_size: int | None = None          # bytes; evict least recently used beyond it
-    evict_after: float | None = None     # seconds unused before a version not kept may go
+    # per model, newest first, pins on top
+    keep_versions: int = field(default=2, metadata={"min": 1})
+    max_size: int | None = size_field(None)           # bytes; evict LRU beyond it
+    evict_after: float | None = duration_field(None)  # unused this long, a version not kept may go
 
 
 @dataclass(frozen=True)
 class Pulls:
-    streams: int = 8
-    piece_size: int = 64 * 2**20         # fixed pieces of non-safetensors files; split of big tensors
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    retries: int = 5
-    rate: int | None = None              # static cap of the pulls' token bucket, bits/s
+    streams: int = field(default=8, metadata={"min": 1, "max": 256})
+    piece_size: int = size_field(64 * 2**20)  # pieces of non-safetensors files; big tensors split
+    connect_timeout: float = duration_field(10.0)
+    read_timeout: float = duration_field(30.0)
+    retries: int = field(default=5, metadata={"min": 0})
+    rate: int | None = rate_field(None)       # static cap of the pulls' token bucket, bits/s
 
 
 @dataclass(frozen=True)
 class Shaping:
     enabled: bool = False
     interfaces: tuple[str, ...] = ()     # wagent never touches an interface not named here
-    link_rate: int = 10**9               # the interface's rate (HTB root and default class ceil)
-    pull_ports: tuple[int, ...] = ()     # sources' ports, matched as source port on ingress (IFB);
-                                         # empty: taken from the sources' URLs
-    serve_ports: tuple[int, ...] = ()    # matched as source port on egress; empty: no egress tree
-    rate: int = 10**7                    # the distribution class's guaranteed rate
-    ceil: int = 5 * 10**8                # the distribution class's cap
-    priority: int = 7                    # HTB prio of the distribution class (0 highest, 7 lowest)
+    link_rate: int = rate_field(10**9)   # the interface's rate (HTB root and default class ceil)
+    # sources' ports, matched as source port on ingress (IFB); empty: taken from the sources' URLs
+    pull_ports: tuple[int, ...] = ports_field(())
+    # matched as source port on egress; empty: no egress tree
+    serve_ports: tuple[int, ...] = ports_field(())
+    rate: int = rate_field(10**7)        # the distribution class's guaranteed rate
+    ceil: int = rate_field(5 * 10**8)    # the distribution class's cap
+    # HTB prio of the distribution class (0 highest, 7 lowest)
+    priority: int = field(default=7, metadata={"min": 0, "max": 7})
     take_over: bool = False              # replace a root qdisc wagent didn't make
 
 
 @dataclass(frozen=True)
 class Backoff:
     enabled: bool = True
-    tick: float = 1.0                    # 0.1 s at the least
-    floor: int = 10**7                   # rate while training traffic is present
-    cap: int | None = None               # None: shaping.ceil
-    decrease: float = 0.0                # multiplier on a detection: 0 = straight to the floor
-    increase: int = 10**8                # additive step per tick once quiet
-    quiet: float = 5.0                   # seconds with no training traffic before ramping up
-    link_threshold: int = 5 * 10**7      # other (non-distribution) traffic on the link that counts
-    rdma_threshold: int = 10**6          # RDMA traffic that counts
-    training_ports: tuple[tuple[int, int], ...] = ((29500, 29500),)  # inclusive port ranges
+    tick: float = duration_field(1.0, min=0.1)  # 0.1 s at the least
+    floor: int = rate_field(10**7)       # rate while training traffic is present
+    cap: int | None = rate_field(None)   # None: shaping.ceil
+    # multiplier on a detection: 0 = straight to the floor
+    decrease: float = field(default=0.0, metadata={"min": 0.0, "max": 0.99})
+    increase: int = rate_field(10**8)    # additive step per tick once quiet
+    quiet: float = duration_field(5.0)   # seconds with no training traffic before ramping up
+    # other (non-distribution) traffic on the link that counts
+    link_threshold: int = rate_field(5 * 10**7)
+    rdma_threshold: int = rate_field(10**6)  # RDMA traffic that counts
+    # inclusive port ranges
+    training_ports: tuple[tuple[int, int], ...] = port_ranges_field(((29500, 29500),))
     nccl_processes: bool = True          # a process mapping libnccl counts as training present
     roots: tuple[tuple[str, str], ...] = ()  # detector roots (proc, sys) overridden for tests
 
@@ -123,7 +171,7 @@ class Policy:
     waves: Waves = field(default_factory=Waves)
     sources: tuple[Source, ...] = ()
     models: tuple[Model, ...] = ()
-    poll_interval: float = 300.0         # how often "latest" is polled
+    poll_interval: float = duration_field(300.0)  # how often "latest" is polled
     store: Store = field(default_factory=Store)
     pulls: Pulls = field(default_factory=Pulls)
     shaping: Shaping = field(default_factory=Shaping)
@@ -131,8 +179,8 @@ class Policy:
     metrics: Metrics = field(default_factory=Metrics)
     control: Control = field(default_factory=Control)
     state_dir: str = "/var/lib/wagent"
-    path: str = ""                       # file it was loaded from
-    sha256: str = ""                     # of the file's bytes, shown by status
+    path: str = field(default="", metadata={"yaml": False})    # file it was loaded from
+    sha256: str = field(default="", metadata={"yaml": False})  # of the file's bytes, for status
 
     def role(self, name: str) -> Role | None:
         return next((r for r in self.roles if r.name == name), None)

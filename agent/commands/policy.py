@@ -1,16 +1,102 @@
-"""`wagent policy`: not implemented yet."""
+"""`wagent policy check FILE...` and `wagent policy show`: validate a policy, show its effect.
+
+``check`` is meant for a policy repository's CI and pre-commit hook: one ``file:line: message``
+line per problem on stdout, exit 1 if any file has one, 0 (and ``FILE: ok``) when all are clean.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from typing import Any
+
+import yaml
+
+from agent.policy import PolicyError, check_policy, load_policy
+from agent.policy_model import Policy
+
+DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policy", help="(not implemented yet)")
-    p.set_defaults(func=_not_yet)
+    p = sub.add_parser("policy", help="check a policy file, or show the effective policy",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="policy_action", metavar="ACTION")
+    actions.required = True
+    check = actions.add_parser("check", help="validate policy files: file:line: message per "
+                                             "problem; exit 1 on any")
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument("-q", "--quiet", action="store_true", help="don't print 'FILE: ok'")
+    check.set_defaults(func=run_check)
+    show = actions.add_parser("show", help="print the effective policy, defaults filled in "
+                                           "(rates in bits/s, sizes in bytes, durations in s)")
+    show.add_argument("--policy", default=DEFAULT_POLICY, help=f"default: {DEFAULT_POLICY}")
+    show.add_argument("--json", action="store_true", help="JSON instead of YAML")
+    show.set_defaults(func=run_show)
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    print("wagent policy: not implemented yet", file=sys.stderr)
-    return 2
+def run_check(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.files:
+        issues = check_policy(path)
+        for issue in issues:
+            print(issue)
+        if issues:
+            failed = True
+        elif not args.quiet:
+            print(f"{path}: ok")
+    return 1 if failed else 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(policy_document(policy, with_units=False), sys.stdout, indent=2)
+        print()
+    else:
+        print(f"# effective policy from {policy.path} (sha256 {policy.sha256[:12]}); "
+              f"loads as a policy itself")
+        sys.stdout.write(yaml.safe_dump(policy_document(policy), sort_keys=False,
+                                        default_flow_style=None))
+    return 0
+
+
+def policy_document(policy: Policy, with_units: bool = True) -> dict[str, Any]:
+    """The effective policy as plain data, roles keyed by name as in the YAML.
+
+    ``with_units``: rates, sizes and durations written with units (``400000000bit``), so the
+    document is a valid policy again; otherwise plain numbers (bits/s, bytes, seconds), for JSON.
+    """
+    return _plain(policy, {}, with_units)
+
+
+def _plain(value: Any, meta: Any, with_units: bool) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name), f.metadata, with_units)
+                for f in dataclasses.fields(value) if f.metadata.get("yaml", True)
+                and not (f.metadata.get("key") and with_units)}
+    if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+        key = next((f.name for f in dataclasses.fields(value[0]) if f.metadata.get("key")), None)
+        if key and with_units:
+            return {getattr(v, key): _plain(v, {}, with_units) for v in value}
+        return [_plain(v, {}, with_units) for v in value]
+    if isinstance(value, tuple):
+        if meta.get("unit") == "port_range":
+            return [a if a == b else f"{a}-{b}" for a, b in value] if with_units \
+                else [list(v) for v in value]
+        return [_plain(v, meta, with_units) for v in value]
+    unit = meta.get("unit")
+    if value is None or not with_units or unit not in _SUFFIX:
+        return value
+    if unit == "duration":
+        return f"{value:.6f}".rstrip("0").rstrip(".") + "s"
+    return f"{value}{_SUFFIX[unit]}"
+
+
+_SUFFIX = {"rate": "bit", "size": "B", "duration": "s"}

@@ -1,16 +1,124 @@
-"""`wagent pull`: not implemented yet."""
+"""`wagent pull URL --store DIR`: one pull of ``{source}/{model}/{version}`` into a store.
+
+The version may be ``latest`` (read from ``{source}/{model}/latest``). ``--mirror`` adds sources
+tried per piece after the first (same model and version paths). Exit 0 when the version is in the
+store, 1 with the reason when it is not (pieces already verified are kept: pull again to resume).
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from types import FrameType
+
+from agent.policy_model import Pulls, Source
+from agent.ratelimit import TokenBucket
+from agent.store import Store
+from agent.units import UnitError, parse_rate, parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pull", help="(not implemented yet)")
-    p.set_defaults(func=_not_yet)
+    p = sub.add_parser("pull", help="pull one model version into a store",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("url", metavar="URL", help="{source}/{model}/{version}; version may be 'latest'")
+    p.add_argument("--store", required=True, metavar="DIR", help="the store directory")
+    p.add_argument("--streams", type=int, metavar="N", help="parallel streams (default 8)")
+    p.add_argument("--rate", metavar="RATE", help="cap, e.g. 300mbit or 50MB/s (default: none)")
+    p.add_argument("--mirror", action="append", default=[], metavar="URL",
+                   help="another source base URL, tried per piece after the first (repeatable)")
+    p.add_argument("--piece-size", metavar="SIZE", help="largest request (default 64MiB)")
+    p.add_argument("--ca-bundle", metavar="FILE", help="PEM CA bundle for TLS (verification is "
+                                                       "always on)")
+    p.add_argument("--proxy", metavar="URL", help="HTTP proxy for every source")
+    p.add_argument("--credentials", metavar="FILE",
+                   help="file holding 'bearer TOKEN' or 'basic USER:PASSWORD' (never logged)")
+    p.add_argument("--verify-files", action="store_true",
+                   help="also re-read and hash each whole file (pieces are always verified)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="take pull settings (streams, timeouts, retries, rate) from a policy")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    print("wagent pull: not implemented yet", file=sys.stderr)
-    return 2
+def split_url(url: str) -> tuple[str, str, str]:
+    """(source, model, version) from ``{source}/{model}/{version}``."""
+    parts = url.rstrip("/").rsplit("/", 2)
+    if len(parts) != 3 or "://" not in parts[0] or not parts[1] or not parts[2]:
+        raise ValueError(f"URL {url!r} must be {{source}}/{{model}}/{{version}}, e.g. "
+                         "http://origin:8080/llama/v7 (version may be 'latest')")
+    return parts[0], parts[1], parts[2]
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_pull(args, bucket=None)
+
+
+def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
+             stop: threading.Event | None = None) -> int:
+    """The pull itself; ``bucket`` lets a caller (the backoff loop) move the rate while it runs."""
+    from agent.pull.engine import PullError, PullOptions, pull_version
+    from agent.pull.progress import Reporter, summary
+
+    try:
+        source, model, version = split_url(args.url)
+        pulls = _policy_pulls(args.policy) if args.policy else Pulls()
+        options = PullOptions.from_policy(pulls)
+        if args.streams is not None:
+            if args.streams < 1:
+                raise ValueError("--streams must be at least 1")
+            options = replace(options, streams=args.streams)
+        if args.piece_size:
+            size = parse_size(args.piece_size)
+            options = replace(options, piece_size=size, request_size=min(size,
+                                                                         options.request_size))
+        options = replace(options, verify_files=args.verify_files)
+        rate = parse_rate(args.rate) if args.rate else pulls.rate
+    except (ValueError, UnitError) as e:
+        print(f"wagent pull: {e}", file=sys.stderr)
+        return 2
+    if bucket is None:
+        bucket = TokenBucket(rate)
+    elif rate is not None:
+        bucket.set_rate(rate)
+    sources = [Source(u, proxy=args.proxy, ca_bundle=args.ca_bundle,
+                      credentials=args.credentials) for u in [source, *args.mirror]]
+    stop = stop or threading.Event()
+    reporter = Reporter(quiet=args.quiet)
+    restore = _stop_on_term(stop)
+    try:
+        result = pull_version(sources, model, version, Store(args.store), options=options,
+                              bucket=bucket, progress=reporter, stop=stop)
+    except PullError as e:
+        reporter.end()
+        print(f"wagent pull: {e}", file=sys.stderr)
+        return 1
+    finally:
+        restore()
+    if not args.quiet:
+        print(summary(result), file=sys.stderr)
+    return 0
+
+
+def _policy_pulls(path: str) -> Pulls:
+    from agent.policy import load_policy
+    return load_policy(path).pulls
+
+
+def _stop_on_term(stop: threading.Event) -> Callable[[], None]:
+    """SIGTERM (and Ctrl-C) stop the streams after their current chunk; partials are kept."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return restore

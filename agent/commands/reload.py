@@ -1,16 +1,36 @@
-"""`wagent reload`: not implemented yet."""
+"""`wagent reload`: ask the daemon to reload its policy and wait for the answer (systemd's
+ExecReload). Exit 0 reloaded, 1 refused (the old policy stays in force) or no daemon."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+DEFAULT_SOCKET = "/run/wagent/control.sock"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("reload", help="(not implemented yet)")
-    p.set_defaults(func=_not_yet)
+    p = sub.add_parser(
+        "reload", help="reload the daemon's policy and wait for its answer",
+        description="The daemon validates the policy file again; an invalid policy is refused "
+        "(exit 1, errors as file:line: message) and the old one keeps running.")
+    p.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
+                   help=f"the daemon's control socket (default {DEFAULT_SOCKET})")
+    p.add_argument("--timeout", type=float, default=130.0, metavar="SECONDS",
+                   help="how long to wait for the daemon's answer (default 130)")
+    p.set_defaults(func=run)
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    print("wagent reload: not implemented yet", file=sys.stderr)
-    return 2
+def run(args: argparse.Namespace) -> int:
+    from agent.control import ControlError, NotRunning, call
+
+    try:
+        result = call(args.socket, "reload", timeout=args.timeout)
+    except NotRunning as e:
+        print(f"wagent reload: the daemon is not running ({e})", file=sys.stderr)
+        return 1
+    except ControlError as e:
+        print(f"wagent reload: {e}", file=sys.stderr)
+        return 1
+    print(f"reloaded {result.get('path', '')} (sha256 {result.get('sha256', '')[:12]})")
+    return 0

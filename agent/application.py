@@ -1,0 +1,430 @@
+"""Builds the daemon's parts from a Policy and passes them in; nothing reaches for globals.
+
+:class:`Application` is the one place that knows which module does what: the store, the
+token bucket, the shaper (when the policy enables shaping), the backoff loop, the puller, the
+control socket and the metrics. :class:`agent.daemon.Daemon` drives it: ``start``,
+``reconcile`` on reload, ``snapshot`` for status, ``stop``.
+
+Reload is mark-and-sweep (fail2ban's model): every part is marked, the new policy is replayed
+part by part (shaping re-applied in place, so the kernel never goes unshaped; the backoff loop
+restarted with the new thresholds; the puller rescheduled), and what the new policy no longer
+declares is swept: interfaces dropped from ``shaping.interfaces`` get their caps cleared, models
+dropped from ``models`` stop pulling, a moved control socket or metrics port is re-opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from agent import schedule
+from agent.control import ControlServer
+from agent.identity import ROLE_OVERRIDE, Identity, identify
+from agent.manifest import published_ts
+from agent.metrics import Metrics
+from agent.policy import load_policy
+from agent.policy_model import Model, Policy
+from agent.puller import Progress, Puller, PullerDeps, Window
+from agent.ratelimit import TokenBucket
+from agent.status import (
+    BackoffEvent,
+    BackoffInfo,
+    ClassCounters,
+    DaemonState,
+    NodeInfo,
+    ShapedInterface,
+    ShapingInfo,
+    StoreInfo,
+    WindowInfo,
+)
+from agent.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 20
+
+
+@dataclass
+class Parts:
+    """Everything the daemon runs for one policy. Mutable: reconcile updates it in place, and
+    the puller's functions read ``parts.policy`` at call time, so they follow reloads."""
+
+    policy: Policy
+    identity: Identity
+    store: Store
+    bucket: TokenBucket
+    puller: Puller
+    shaper: Any | None = None
+    backoff: Any | None = None
+    control: ControlServer | None = None
+    metrics: Metrics | None = None
+    ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
+    shaping_error: str | None = None
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class Application:
+    def __init__(self, policy_path: str, *, state_dir: str | None = None,
+                 socket: str | None = None, hostname: str | None = None,
+                 node_id: str | None = None, role_override: Path = ROLE_OVERRIDE,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.policy_path = policy_path
+        self.state_dir = state_dir
+        self.socket = socket
+        self.hostname = hostname
+        self.node_id = node_id
+        self.role_override = role_override
+        self.clock = clock
+
+    # -- policy -------------------------------------------------------------------------------
+    def load(self) -> Policy:
+        """The policy file with the command line's overrides; raises PolicyError."""
+        policy = load_policy(self.policy_path)
+        if self.state_dir:
+            policy = replace(policy, state_dir=self.state_dir)
+        if self.socket:
+            policy = replace(policy, control=replace(policy.control, socket=self.socket))
+        return policy
+
+    def identify(self, policy: Policy) -> Identity:
+        ident = identify(policy, hostname=self.hostname, override=self.role_override)
+        return replace(ident, node_id=self.node_id) if self.node_id else ident
+
+    # -- start / stop -------------------------------------------------------------------------
+    def start(self, policy: Policy, controller: Any) -> Parts:
+        """Store, shaping (READY waits for it), backoff, puller, control socket, metrics."""
+        store = Store(policy.store.path)
+        store.ensure()
+        os.makedirs(policy.state_dir, exist_ok=True)
+        bucket = TokenBucket(policy.pulls.rate)
+        parts = Parts(policy=policy, identity=self.identify(policy), store=store, bucket=bucket,
+                      puller=None)  # type: ignore[arg-type]
+        parts.puller = Puller(policy, self._puller_deps(parts))
+        try:
+            self._apply_shaping(parts, policy)
+            self._start_backoff(parts)
+            parts.puller.start()
+            parts.control = ControlServer(policy.control.socket, controller,
+                                          group=policy.control.group)
+            parts.control.start()
+            parts.metrics = Metrics(policy.metrics)
+            parts.metrics.start()
+        except BaseException:
+            self.stop(parts, 2.0)
+            raise
+        log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
+                 parts.identity.hostname, parts.identity.role, parts.identity.role_source)
+        return parts
+
+    def stop(self, parts: Parts | None, budget: float) -> None:
+        """Stops the workers within ``budget`` seconds. Caps stay in the kernel: a restart or an
+        upgrade must not open an unshaped gap (``wagent shaping clear`` removes them)."""
+        if parts is None:
+            return
+        deadline = time.monotonic() + budget
+        if parts.puller is not None:
+            parts.puller.stop(max(0.1, deadline - time.monotonic() - 0.5))
+        if parts.backoff is not None:
+            parts.backoff.stop(max(0.1, min(1.0, deadline - time.monotonic())))
+        if parts.control is not None:
+            parts.control.stop()
+        if parts.metrics is not None:
+            parts.metrics.stop()
+
+    # -- reload: mark and sweep ---------------------------------------------------------------
+    def reconcile(self, parts: Parts, new: Policy) -> Parts:
+        old = parts.policy
+        if new.store.path != old.store.path:
+            store = Store(new.store.path)
+            store.ensure()
+            parts.store = store
+        os.makedirs(new.state_dir, exist_ok=True)
+        # Shaping first: if the kernel refuses the new tree, nothing else has changed yet.
+        had_shaper = parts.shaper is not None
+        self._apply_shaping(parts, new, old)
+        parts.policy = new
+        parts.identity = self.identify(new)
+        self._reconcile_backoff(parts, old, had_shaper)
+        parts.puller.update(new)
+        if parts.control is not None and (new.control != old.control):
+            controller = parts.control.controller
+            parts.control.stop()
+            parts.control = ControlServer(new.control.socket, controller,
+                                          group=new.control.group)
+            parts.control.start()
+        if parts.metrics is not None and new.metrics != old.metrics:
+            parts.metrics.stop()
+            parts.metrics = Metrics(new.metrics)
+            parts.metrics.start()
+        return parts
+
+    # -- shaping and backoff -----------------------------------------------------------------
+    def _apply_shaping(self, parts: Parts, new: Policy, old: Policy | None = None) -> None:
+        was = old.shaping if old is not None and old.shaping.enabled else None
+        if new.shaping.enabled:
+            from shaping.shaper import Shaper  # only nodes that shape need pyroute2
+
+            shaper = Shaper(new.shaping, new.sources, new.state_dir)
+            shaper.apply()   # adopts wagent's own tree and changes it in place
+            parts.shaper = shaper
+            parts.ceil_bps = new.shaping.ceil
+        else:
+            parts.shaper = None
+            parts.ceil_bps = None
+        if was is not None:
+            # sweep: interfaces (or all shaping) the new policy no longer declares
+            gone = [i for i in was.interfaces
+                    if not new.shaping.enabled or i not in new.shaping.interfaces]
+            if gone:
+                from shaping.shaper import Shaper
+
+                assert old is not None
+                Shaper(replace(was, interfaces=tuple(gone)), old.sources, old.state_dir).clear()
+                log.info("caps cleared on %s (no longer in the policy)", ", ".join(gone))
+
+    def _reconcile_backoff(self, parts: Parts, old: Policy, had_shaper: bool) -> None:
+        """Retune the running loop in place where possible: restarting it would forget that
+        training is on and open the ceil to the cap for a tick."""
+        from shaping.backoff import cap_for
+        from shaping.detect import Detectors
+
+        new, loop = parts.policy, parts.backoff
+        same_shape = (had_shaper == (parts.shaper is not None)
+                      and new.shaping.interfaces == old.shaping.interfaces)
+        if loop is not None and new.backoff.enabled and same_shape:
+            if new.backoff != old.backoff:
+                loop.controller.backoff = new.backoff
+                loop.detectors = Detectors.from_policy(new.backoff, new.shaping.interfaces,
+                                                       link=loop.distribution is not None)
+                loop.tick_s = max(0.1, float(new.backoff.tick))
+            loop.controller.set_cap(cap_for(new))
+            return
+        if loop is not None:
+            loop.stop(2.0)
+            parts.backoff = None
+        parts.bucket.set_rate(new.pulls.rate)
+        self._start_backoff(parts)
+
+    def _start_backoff(self, parts: Parts) -> None:
+        from shaping.backoff import start_for_pull
+
+        def set_ceil(bps: int) -> None:
+            assert parts.shaper is not None
+            parts.shaper.set_ceil(bps)
+            parts.ceil_bps = bps
+
+        class _Shaper:   # records the live ceil for status; the loop sees the real methods
+            def __init__(self, real: Any) -> None:
+                self.set_ceil = set_ceil
+                self.stats = real.stats
+
+        shaper = _Shaper(parts.shaper) if parts.shaper is not None else None
+        parts.backoff = start_for_pull(
+            parts.policy, parts.bucket, shaper,
+            bytes_read=lambda: sum(parts.puller.fetched_totals().values()))
+
+    # -- the puller's view of the world -------------------------------------------------------
+    def _puller_deps(self, parts: Parts) -> PullerDeps:
+        from agent.pull import engine  # imports requests: only where pulls happen
+
+        def options() -> Any:
+            return engine.PullOptions.from_policy(parts.policy.pulls)
+
+        def resolve(model: Model) -> str:
+            return engine.resolve_latest(parts.policy.sources, model.name, options())
+
+        def published(model: Model, version: str) -> float:
+            _, manifest = engine.fetch_manifest(parts.policy.sources, model.name, version,
+                                                options())
+            try:
+                return published_ts(manifest.published)
+            except (ValueError, TypeError):
+                return self._first_seen(parts, model.name, version)
+
+        def plan(model: Model, version: str, pub: float, now: float
+                 ) -> tuple[float, float | None]:
+            p, ident = parts.policy, parts.identity
+            return (schedule.slot(pub, ident.node_id, ident.role, model.name, version, p),
+                    schedule.start_at(pub, now, ident.node_id, ident.role, model.name, version,
+                                      p))
+
+        def window(now: float) -> Window:
+            windows = schedule.windows_for(parts.policy, parts.identity.role)
+            if not windows:
+                return Window(True)
+            if schedule.is_open(windows, now):
+                return Window(True, closes_at=schedule.open_until(windows, now))
+            return Window(False, next_open=schedule.next_opening(windows, now))
+
+        def have(model: Model, version: str) -> bool:
+            return parts.store.installed(model.name, version) is not None
+
+        def local_version(model: Model) -> str | None:
+            versions = parts.store.versions(model.name)
+            return versions[0].version if versions else None
+
+        def pull(model: Model, version: str, progress: Callable[[Progress], None],
+                 stop: threading.Event) -> None:
+            def report(p: Any) -> None:
+                progress(Progress(done=p.bytes_done, total=p.bytes_total, streams=p.streams,
+                                  fetched=p.bytes_fetched, rate_bps=p.rate * 8))
+
+            engine.pull_version(parts.policy.sources, model.name, version, parts.store,
+                                options=options(), bucket=parts.bucket, progress=report,
+                                stop=stop)
+
+        def evict() -> None:
+            p = parts.policy
+            removed = parts.store.evict(
+                keep=p.store.keep_versions, pins={m.name: m.pin for m in p.models},
+                max_size=p.store.max_size, now=self.clock(), evict_after=p.store.evict_after)
+            for r in removed:
+                log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
+
+        return PullerDeps(clock=self.clock, resolve=resolve, published=published,
+                          schedule=plan, window=window, have=have,
+                          local_version=local_version, pull=pull, evict=evict)
+
+    def _first_seen(self, parts: Parts, model: str, version: str) -> float:
+        """When this node first learned of a version, kept in the state directory so that the
+        slot stays where it was after a restart (used when the manifest has no time)."""
+        path = Path(parts.policy.state_dir) / "seen.json"
+        try:
+            seen = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            seen = {}
+        key = f"{model}/{version}"
+        if key not in seen:
+            seen[key] = self.clock()
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(seen, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        return float(seen[key])
+
+    # -- the daemon's tick --------------------------------------------------------------------
+    def workers(self, parts: Parts) -> dict[str, bool]:
+        alive = {"puller": parts.puller.alive()}
+        if parts.backoff is not None:
+            t = getattr(parts.backoff, "_thread", None)
+            alive["backoff"] = t is not None and t.is_alive()
+        if parts.control is not None:
+            alive["control"] = parts.control.alive()
+        return alive
+
+    def supervise(self, parts: Parts) -> None:
+        parts.puller.supervise()
+
+    def pause(self, parts: Parts) -> None:
+        parts.puller.pause()
+
+    def resume(self, parts: Parts) -> None:
+        parts.puller.resume()
+
+    def export_metrics(self, parts: Parts, doc: dict[str, Any]) -> None:
+        if parts.metrics is not None:
+            parts.metrics.update(doc, parts.puller.fetched_totals())
+
+    # -- status ---------------------------------------------------------------------------
+    def snapshot(self, parts: Parts | None, base: DaemonState) -> DaemonState:
+        if parts is None:
+            return base
+        p, ident = parts.policy, parts.identity
+        index = schedule.wave_index(p, ident.role)
+        node = NodeInfo(id=ident.node_id, hostname=ident.hostname, role=ident.role,
+                        wave_index=index,
+                        wave_delay=0.0 if index is None
+                        else p.waves.cache_lead + index * p.waves.gap)
+        w = parts.puller.window()
+        return replace(
+            base, paused=parts.puller.paused, node=node,
+            shaping=self._shaping_info(parts), backoff=self._backoff_info(parts),
+            pulls=parts.puller.snapshot(),
+            window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
+            store=self._store_info(parts.store))
+
+    def _shaping_info(self, parts: Parts) -> ShapingInfo:
+        sh = parts.policy.shaping
+        if parts.shaper is None:
+            return ShapingInfo(enabled=False)
+        try:
+            interfaces = shaped_interfaces(parts.shaper.stats(), parts.shaper.plan(),
+                                           parts.ceil_bps)
+            error = None
+        except Exception as e:
+            interfaces, error = (), f"reading the tc counters failed: {e}"
+        return ShapingInfo(enabled=True, cap_bps=sh.ceil, current_ceil_bps=parts.ceil_bps,
+                           interfaces=interfaces, error=error or parts.shaping_error)
+
+    def _backoff_info(self, parts: Parts) -> BackoffInfo:
+        loop = parts.backoff
+        if loop is None:
+            return BackoffInfo(enabled=False)
+        st = loop.status()
+        # The loop's clock is monotonic; status speaks wall-clock time.
+        offset = self.clock() - time.monotonic()
+        events: list[BackoffEvent] = []
+        prev = None
+        for a in list(loop.history):
+            if a.state != prev:
+                events.append(BackoffEvent(a.at + offset, a.state, a.reason, a.rate_bps))
+            prev = a.state
+        readings = {k: float(st[k]) for k in ("other_bps", "rdma_bps", "training_connections",
+                                              "nccl_processes") if st.get(k) is not None}
+        return BackoffInfo(
+            enabled=True, state=st["state"], reason=st["reason"],
+            since=None if st["since"] is None else st["since"] + offset,
+            rate_bps=st["rate_bps"], floor_bps=st["floor_bps"], cap_bps=st["cap_bps"],
+            events=tuple(events[1:][-MAX_EVENTS:]), events_total=st["events"],
+            readings=readings)
+
+    @staticmethod
+    def _store_info(store: Store) -> StoreInfo:
+        versions = 0
+        for model in store.model_names():
+            with contextlib.suppress(OSError):
+                versions += sum(1 for n in os.listdir(store.model_dir(model))
+                                if not n.startswith("."))
+        try:
+            vfs = os.statvfs(store.root)
+            free: int | None = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            free = None
+        return StoreInfo(path=str(store.root), used_bytes=store.usage(), versions=versions,
+                         free_bytes=free)
+
+
+def shaped_interfaces(stats: Any, plan: Any, ceil_bps: int | None
+                      ) -> tuple[ShapedInterface, ...]:
+    """Status values from ``Shaper.stats()`` (flat ClassStats per tc device), grouped by the
+    plan's trees: egress on the interface, ingress on its IFB."""
+    by_device: dict[str, list[Any]] = {}
+    for c in stats:
+        by_device.setdefault(c.device, []).append(c)
+    out = []
+    for ip in plan.interfaces:
+        for direction, tree in (("ingress", ip.ingress), ("egress", ip.egress)):
+            if tree is None:
+                continue
+            configured = {c.name: c for c in tree.classes}
+            classes = []
+            for c in sorted(by_device.get(tree.device, ()), key=lambda c: c.classid):
+                conf = configured.get(c.name)
+                ceil = conf.ceil if conf is not None else None
+                if c.name == "distribution" and ceil_bps is not None:
+                    ceil = ceil_bps
+                classes.append(ClassCounters(
+                    name=c.name, classid=c.classid, bytes=c.bytes, packets=c.packets,
+                    drops=c.drops, overlimits=c.overlimits,
+                    rate_bps=conf.rate if conf is not None else None, ceil_bps=ceil,
+                    backlog=c.backlog, est_bps=c.rate))
+            out.append(ShapedInterface(ip.interface, direction, tree.device, tuple(classes)))
+    return tuple(out)

@@ -1,0 +1,337 @@
+"""The control socket: JSON lines over a Unix stream socket, one request per connection.
+
+Protocol (documented in docs/status.md)::
+
+    client -> {"cmd": "status"}\\n
+    daemon -> {"ok": true, "result": {...}}\\n
+           or {"ok": false, "error": "...", "kind": "forbidden"}\\n
+
+Commands: ``ping`` and ``status`` read; ``reload``, ``pause`` and ``resume`` change something and
+are served only to root or to the daemon's own user, checked with SO_PEERCRED (the kernel's word,
+not the client's). The socket is mode 0660, group ``wagent`` when that group exists, so other
+users can't even connect; the SO_PEERCRED check still holds when an operator widens the mode.
+
+A slow or malicious client can't stall the daemon: each connection is served in its own thread
+with a read deadline and a size limit, at most ``max_clients`` at a time (more are told "busy"),
+and the controller's methods are called from that thread, never from the daemon's main loop.
+The server knows nothing of the daemon: it calls methods on any object with ``status()``,
+``reload()``, ``pause()`` and ``resume()`` (the controller doesn't know its transport).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST = 64 * 1024
+MAX_RESPONSE = 16 * 2**20
+# command -> changes something (needs root or the service's user)
+COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True}
+
+
+class ControlError(Exception):
+    """The daemon answered with an error, or the answer couldn't be read."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class NotRunning(ControlError):
+    """Nothing listens on the control socket."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "not_running")
+
+
+class ProtocolError(ValueError):
+    """A request that isn't one JSON object with a known ``cmd``."""
+
+
+class Controller(Protocol):
+    def status(self) -> dict[str, Any]: ...
+    def reload(self) -> dict[str, Any]: ...
+    def pause(self) -> dict[str, Any]: ...
+    def resume(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Request:
+    cmd: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+def parse_request(line: bytes) -> Request:
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"request is not JSON: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("cmd"), str):
+        raise ProtocolError('request must be an object like {"cmd": "status"}')
+    if obj["cmd"] not in COMMANDS:
+        raise ProtocolError(f"unknown command {obj['cmd']!r}; known: {', '.join(COMMANDS)}")
+    args = obj.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError('"args" must be an object')
+    return Request(obj["cmd"], args)
+
+
+def authorized(cmd: str, peer_uid: int, allowed_uids: Iterable[int]) -> bool:
+    """Reads for anyone who can connect; changes for root and the service's own user."""
+    return not COMMANDS.get(cmd, True) or peer_uid == 0 or peer_uid in set(allowed_uids)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+def error_reply(message: str, kind: str) -> dict[str, Any]:
+    return {"ok": False, "error": message, "kind": kind}
+
+
+def dispatch(controller: Controller, request: Request, peer: Peer,
+             allowed_uids: Iterable[int]) -> dict[str, Any]:
+    if not authorized(request.cmd, peer.uid, allowed_uids):
+        return error_reply(
+            f"{request.cmd} refused: uid {peer.uid} is neither root nor the service's user",
+            "forbidden")
+    if request.cmd == "ping":
+        return {"ok": True, "result": {"pong": True}}
+    try:
+        result = getattr(controller, request.cmd)()
+    except ControlError as e:
+        return error_reply(str(e), e.kind)
+    except Exception as e:  # the daemon must answer, whatever went wrong in the command
+        log.exception("control command %s failed", request.cmd)
+        return error_reply(f"{request.cmd} failed: {e}", "internal")
+    return {"ok": True, "result": result}
+
+
+def peer_credentials(conn: socket.socket) -> Peer:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return Peer(pid, uid, gid)
+
+
+class ControlServer:
+    """Serves one controller on a Unix socket until :meth:`stop`."""
+
+    def __init__(self, path: str, controller: Controller, *, group: str | None = "wagent",
+                 allowed_uids: Iterable[int] = (), read_timeout: float = 5.0,
+                 max_clients: int = 8) -> None:
+        self.path = path
+        self.controller = controller
+        self.group = group
+        self.allowed_uids = frozenset(allowed_uids) | {os.getuid()}
+        self.read_timeout = read_timeout
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._sock = _bind(self.path, self.group)
+        self._sock.settimeout(0.5)  # the accept loop checks for stop twice a second
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            # a connection of our own wakes the blocked accept() at once
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(0.2)
+                s.connect(self.path)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- serving -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                log.warning("control socket accept failed: %s", e)
+                time.sleep(0.1)
+                continue
+            if self._stop.is_set():
+                conn.close()
+                return
+            if not self._slots.acquire(blocking=False):
+                self._refuse_busy(conn)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="control-conn",
+                             daemon=True).start()
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            conn.settimeout(0.2)
+            conn.sendall(encode(error_reply("daemon busy: too many control connections",
+                                            "busy")))
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                peer = peer_credentials(conn)
+                try:
+                    request = parse_request(_read_line(conn, self.read_timeout, MAX_REQUEST))
+                except ProtocolError as e:
+                    reply = error_reply(str(e), "protocol")
+                except (TimeoutError, OSError) as e:
+                    log.info("control client pid %d dropped: %s", peer.pid, e)
+                    return
+                else:
+                    reply = dispatch(self.controller, request, peer, self.allowed_uids)
+                    if request.cmd != "status":
+                        log.info("control: %s from uid %d pid %d: %s", request.cmd, peer.uid,
+                                 peer.pid, "ok" if reply["ok"] else reply["error"])
+                conn.settimeout(self.read_timeout)
+                with contextlib.suppress(OSError):
+                    conn.sendall(encode(reply))
+        finally:
+            self._slots.release()
+
+
+def _read_line(conn: socket.socket, timeout: float, limit: int) -> bytes:
+    """One line, within ``timeout`` seconds in total (not per recv: a client dribbling a byte a
+    second is cut off too) and ``limit`` bytes."""
+    deadline = time.monotonic() + timeout
+    buf = bytearray()
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no complete request in time")
+        conn.settimeout(left)
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > limit:
+            raise ProtocolError(f"request larger than {limit} bytes")
+    line = bytes(buf).split(b"\n", 1)[0]
+    if not line.strip():
+        raise ProtocolError("empty request")
+    return line
+
+
+def _bind(path: str, group: str | None) -> socket.socket:
+    p = Path(path)
+    p.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise ControlError(f"{path} exists and is not a socket; remove it or set "
+                               "control.socket in the policy", "setup")
+        if _answers(path):
+            raise ControlError(f"another wagent daemon is already listening on {path}", "setup")
+        p.unlink()  # stale, left by a daemon that was killed
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Created with the umask's mode first, which never grants others write (connect) access;
+    # then narrowed/widened to exactly 0660.
+    sock.bind(path)
+    os.chmod(path, 0o660)
+    if group:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            log.info("group %r does not exist; control socket %s stays in group %d", group,
+                     path, os.getgid())
+        except PermissionError as e:
+            log.warning("can't give %s to group %s: %s", path, group, e)
+    sock.listen(16)
+    return sock
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+# -- client ------------------------------------------------------------------------------------
+def call(path: str, cmd: str, args: dict[str, Any] | None = None,
+         timeout: float = 10.0) -> dict[str, Any]:
+    """Sends one request and returns the daemon's ``result``; raises NotRunning or
+    ControlError (with the daemon's words) otherwise."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise NotRunning(f"{path}: {e.strerror}") from None
+        except PermissionError:
+            raise ControlError(
+                f"permission denied on {path}; run as root or as a member of the socket's "
+                "group (wagent)", "forbidden") from None
+        except OSError as e:
+            if e.errno in (errno.ENOTSOCK, errno.ENOTDIR):
+                raise NotRunning(f"{path}: {e.strerror}") from None
+            raise
+        s.sendall(encode({"cmd": cmd, "args": args or {}}))
+        try:
+            line = _read_reply(s)
+        except TimeoutError:
+            raise ControlError(f"the daemon didn't answer {cmd!r} within {timeout:g} s",
+                               "timeout") from None
+    if not line:
+        raise ControlError(f"the daemon closed the connection without answering {cmd!r}",
+                           "protocol")
+    try:
+        reply = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ControlError(f"unreadable answer from the daemon: {e}", "protocol") from None
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "unknown error"), reply.get("kind", "error"))
+    return reply.get("result", {})
+
+
+def _read_reply(s: socket.socket) -> bytes:
+    buf = bytearray()
+    while b"\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_RESPONSE:
+            raise ControlError("answer from the daemon too large", "protocol")
+    return bytes(buf).split(b"\n", 1)[0]

@@ -1,0 +1,269 @@
+"""The daemon: the main loop and the state, and the controller that serves status and reload.
+
+The main thread owns every change of state. Signals (SIGHUP reload, SIGTERM/SIGINT stop) and
+control requests from the socket's threads only queue work and wake the loop through one pipe;
+the loop then reloads, ticks and notifies systemd. So a reload never races a tick, and a slow
+control client never holds the loop (it waits in its own thread for the loop's answer).
+
+Every tick (1 s) the loop:
+  - checks the worker threads (puller, backoff, control); WATCHDOG=1 goes out only while all
+    of them live, so systemd restarts a daemon whose worker died;
+  - lets the puller stop a pull whose window closed;
+  - sends STATUS= when the one-line summary changed, refreshes metrics.
+
+The controller methods (:meth:`status`, :meth:`reload`, :meth:`pause`, :meth:`resume`) are the
+same whatever the transport: ``agent.control`` calls them for the Unix socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import selectors
+import signal
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from agent import __version__
+from agent.control import ControlError
+from agent.notify import Notifier, WatchdogGate
+from agent.policy import PolicyError
+from agent.policy_model import Policy
+from agent.status import DaemonState, PolicyInfo, one_line, to_json
+
+log = logging.getLogger(__name__)
+
+TICK = 1.0
+STOP_BUDGET = 4.0          # seconds for the workers to stop; systemd's default is 90, ours is 5
+RELOAD_WAIT = 120.0        # a control client waits this long for a reload's answer
+
+
+@dataclass
+class _Request:
+    kind: str
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+    error: ControlError | None = None
+
+
+class Daemon:
+    """Runs one :class:`agent.application.Application` until stopped."""
+
+    def __init__(self, app: Any, notifier: Notifier, *, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 watchdog_interval: float | None = None) -> None:
+        self.app = app
+        self.notifier = notifier
+        self.clock = clock
+        self.monotonic = monotonic
+        self.gate = WatchdogGate(watchdog_interval)
+        self.started_at = clock()
+        self.parts: Any = None
+        self.policy_info = PolicyInfo()
+        self.errors: deque[str] = deque(maxlen=5)
+        self.error_counts: Counter[str] = Counter()
+        self._requests: deque[_Request] = deque()
+        self._stop = False
+        self._rfd, self._wfd = os.pipe()
+        for fd in (self._rfd, self._wfd):
+            fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+        self._dead_reported: set[str] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, policy: Policy) -> None:
+        """Builds and starts everything; raises (PolicyError, ShapingError, ControlError) when
+        the daemon can't run, before READY, so systemd sees a failed start."""
+        self.notifier.status("starting: applying shaping")
+        self.parts = self.app.start(policy, self)
+        self.policy_info = PolicyInfo(path=policy.path, sha256=policy.sha256,
+                                      loaded_at=self.clock())
+
+    def run(self, policy: Policy) -> int:
+        self.start(policy)
+        previous = self._install_signals()
+        try:
+            self._tick()
+            self.notifier.ready()
+            log.info("wagent %s running, policy %s (sha256 %s)", __version__, policy.path,
+                     policy.sha256[:12])
+            self._loop()
+        finally:
+            self.notifier.stopping()
+            self.notifier.status("stopping")
+            self.app.stop(self.parts, STOP_BUDGET)
+            self._restore_signals(previous)
+            os.close(self._rfd)
+            os.close(self._wfd)
+        log.info("stopped; caps left in place (`wagent shaping clear` removes them)")
+        return 0
+
+    def request_stop(self) -> None:
+        self._stop = True
+        self._wake()
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._rfd, selectors.EVENT_READ)
+        next_tick = self.monotonic()
+        try:
+            while not self._stop:
+                now = self.monotonic()
+                timeout = max(0.0, next_tick - now)
+                wd = self.gate.next_in(now)
+                if wd is not None:
+                    timeout = min(timeout, wd)
+                if sel.select(timeout):
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._rfd, 512):
+                            pass
+                while self._requests and not self._stop:
+                    self._handle(self._requests.popleft())
+                if self._stop:
+                    break
+                if self.monotonic() >= next_tick:
+                    self._tick()
+                    next_tick = self.monotonic() + TICK
+                self._watchdog()
+        finally:
+            sel.close()
+            for req in self._requests:   # nobody waits forever on a stopping daemon
+                req.error = ControlError("the daemon is stopping", "stopping")
+                req.done.set()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wfd, b"\0")
+
+    # -- signals ----------------------------------------------------------------------------
+    def _install_signals(self) -> dict[int, Any]:
+        previous = {}
+        for sig, handler in ((signal.SIGHUP, self._on_sighup), (signal.SIGTERM, self._on_stop),
+                             (signal.SIGINT, self._on_stop)):
+            previous[sig] = signal.signal(sig, handler)
+        previous[-1] = signal.set_wakeup_fd(self._wfd)
+        return previous
+
+    def _restore_signals(self, previous: dict[int, Any]) -> None:
+        signal.set_wakeup_fd(previous.pop(-1))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _on_sighup(self, signum: int, frame: object) -> None:
+        self._requests.append(_Request("reload"))
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self._stop = True
+
+    # -- the tick ---------------------------------------------------------------------------
+    def workers(self) -> dict[str, bool]:
+        return self.app.workers(self.parts) if self.parts is not None else {}
+
+    def _tick(self) -> None:
+        try:
+            self.app.supervise(self.parts)
+        except Exception as e:
+            self._error("supervise", f"supervising the workers failed: {e}")
+        doc = self.status()
+        self.notifier.status(one_line(doc))
+        for name, alive in doc["daemon"]["workers"].items():
+            if not alive and name not in self._dead_reported:
+                self._dead_reported.add(name)
+                log.error("worker thread %s died; withholding the watchdog so systemd "
+                          "restarts the daemon", name)
+        try:
+            self.app.export_metrics(self.parts, doc)
+        except Exception as e:
+            self._error("metrics", f"writing metrics failed: {e}")
+
+    def _watchdog(self) -> None:
+        if self.gate.due(self.monotonic(), all(self.workers().values())):
+            self.notifier.watchdog()
+
+    def _error(self, kind: str, message: str) -> None:
+        self.error_counts[kind] += 1
+        if not self.errors or self.errors[-1] != message:
+            log.warning("%s", message)
+            self.errors.append(message)
+
+    # -- requests (main thread) -------------------------------------------------------------
+    def _handle(self, req: _Request) -> None:
+        try:
+            if req.kind == "reload":
+                req.result = self._reload()
+        except ControlError as e:
+            req.error = e
+        finally:
+            req.done.set()
+
+    def _reload(self) -> dict[str, Any]:
+        self.notifier.reloading()
+        self.notifier.status("reloading the policy")
+        now = self.clock()
+        try:
+            try:
+                new = self.app.load()
+            except PolicyError as e:
+                self._refuse(str(e), now)
+            try:
+                self.parts = self.app.reconcile(self.parts, new)
+            except Exception as e:
+                log.exception("applying the new policy failed")
+                self._refuse(f"{new.path}: applying the new policy failed: {e}", now)
+        finally:
+            self.notifier.ready()
+        self.policy_info = PolicyInfo(path=new.path, sha256=new.sha256, loaded_at=now,
+                                      reloads=self.policy_info.reloads + 1)
+        log.info("reloaded policy %s (sha256 %s)", new.path, new.sha256[:12])
+        self._tick()
+        return {"reloaded": True, "path": new.path, "sha256": new.sha256}
+
+    def _refuse(self, message: str, now: float) -> NoReturn:
+        self.error_counts["reload"] += 1
+        self.policy_info = PolicyInfo(
+            path=self.policy_info.path, sha256=self.policy_info.sha256,
+            loaded_at=self.policy_info.loaded_at, last_error=message, last_error_at=now,
+            reloads=self.policy_info.reloads)
+        log.error("reload refused, the previous policy stays in force:\n%s", message)
+        raise ControlError(f"reload refused; the previous policy stays in force:\n{message}",
+                           "refused")
+
+    # -- the controller (any thread) --------------------------------------------------------
+    def state(self) -> DaemonState:
+        return self.app.snapshot(self.parts, DaemonState(
+            pid=os.getpid(), started_at=self.started_at, version=__version__,
+            workers=self.workers(), policy=self.policy_info, errors=tuple(self.errors),
+            error_counts=dict(self.error_counts)))
+
+    def status(self) -> dict[str, Any]:
+        return to_json(self.state(), self.clock())
+
+    def reload(self) -> dict[str, Any]:
+        req = _Request("reload")
+        self._requests.append(req)
+        self._wake()
+        if not req.done.wait(RELOAD_WAIT):
+            raise ControlError(f"no answer from the main loop within {RELOAD_WAIT:g} s",
+                               "timeout")
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    def pause(self) -> dict[str, Any]:
+        self.app.pause(self.parts)
+        log.info("pulls paused")
+        self._wake()
+        return {"paused": True}
+
+    def resume(self) -> dict[str, Any]:
+        self.app.resume(self.parts)
+        log.info("pulls resumed")
+        self._wake()
+        return {"paused": False}

@@ -1,0 +1,97 @@
+"""systemd's notify protocol (sd_notify), through sdnotify, behind one small class.
+
+The unit is ``Type=notify`` with ``WatchdogSec=``: systemd waits for READY=1 before it calls the
+start done (wagent sends it only once its caps are in the kernel, so "started" means "shaped"),
+and restarts the daemon if WATCHDOG=1 stops coming. The daemon's main loop sends WATCHDOG=1 only
+while its worker threads are alive: a daemon whose puller or backoff thread died is restarted
+rather than left looking healthy.
+
+The sender is a callable taking the message, so tests record the sequence without a socket:
+
+>>> sent = []
+>>> n = Notifier(sent.append)
+>>> n.status("idle"); n.status("idle"); n.ready()
+>>> sent
+['STATUS=idle', 'READY=1']
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+
+
+def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
+    """Seconds between WATCHDOG=1 messages: half of WATCHDOG_USEC, as sd_watchdog_enabled(3)
+    advises; None when systemd doesn't watch this process."""
+    usec = env.get("WATCHDOG_USEC", "")
+    owner = env.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0:
+        return None
+    if owner and owner != str(pid):
+        return None     # the variable was meant for another process (e.g. a wrapper)
+    return int(usec) / 2 / 1e6
+
+
+class WatchdogGate:
+    """Decides when the main loop pings: every ``interval`` seconds, and only while every
+    worker is alive. Pure; the clock is the caller's."""
+
+    def __init__(self, interval: float | None) -> None:
+        self.interval = interval
+        self._last: float | None = None
+
+    def due(self, now: float, workers_alive: bool) -> bool:
+        if self.interval is None or not workers_alive:
+            return False
+        if self._last is not None and now - self._last < self.interval:
+            return False
+        self._last = now
+        return True
+
+    def next_in(self, now: float) -> float | None:
+        """Seconds until the next ping is due, for the main loop's wait."""
+        if self.interval is None:
+            return None
+        if self._last is None:
+            return 0.0
+        return max(0.0, self._last + self.interval - now)
+
+
+def _sdnotify_sender() -> Callable[[str], None]:
+    import sdnotify  # only here: the daemon runs without systemd too
+
+    notifier = sdnotify.SystemdNotifier()
+    return notifier.notify
+
+
+class Notifier:
+    """READY, STATUS, WATCHDOG, RELOADING and STOPPING, with STATUS sent only when it changes."""
+
+    def __init__(self, send: Callable[[str], None] | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._send = send if send is not None else (
+            _sdnotify_sender() if os.environ.get("NOTIFY_SOCKET") else (lambda _msg: None))
+        self._monotonic = monotonic
+        self._status: str | None = None
+
+    def ready(self) -> None:
+        self._send("READY=1")
+
+    def status(self, line: str) -> None:
+        line = line.replace("\n", " ")
+        if line != self._status:
+            self._status = line
+            self._send(f"STATUS={line}")
+
+    def watchdog(self) -> None:
+        self._send("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        # systemd >= 253 (Type=notify-reload) wants the monotonic timestamp with RELOADING=1.
+        usec = int(self._monotonic() * 1e6)
+        self._send(f"RELOADING=1\nMONOTONIC_USEC={usec}")
+
+    def stopping(self) -> None:
+        self._send("STOPPING=1")

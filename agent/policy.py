@@ -1,0 +1,269 @@
+"""Load and validate a policy file: YAML in, a frozen ``Policy`` or every problem with its line out.
+
+>>> policy = load_policy("policies/fleet.example.yaml")          # raises PolicyError
+>>> [str(i) for i in check_policy("bad.yaml")]                     # never raises
+['bad.yaml:12: unknown key 'straems' in pulls; did you mean 'streams'?']
+
+The walk from YAML to dataclasses lives in ``agent.policy_build`` (driven by the dataclasses of
+``agent.policy_model``); the rules that tie several keys together live here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import os
+import re
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+import yaml
+
+from agent import units
+from agent.cron import CronError, parse_cron
+from agent.policy_build import NO_VALUE, Builder, PolicyTooLarge
+from agent.policy_model import DEFAULT_WAVES, SCHEMA_VERSION, Policy
+
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*$")
+
+
+class Issue(NamedTuple):
+    """One problem in a policy file. ``line`` is 1-based; 0 when the file itself is the problem."""
+
+    file: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        if self.line <= 0:
+            return f"{self.file}: {self.message}"
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+class PolicyError(Exception):
+    """A policy that can't be used; ``issues`` lists every problem as (file, line, message)."""
+
+    def __init__(self, issues: list[Issue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+def load_policy(path: str | os.PathLike[str]) -> Policy:
+    """The policy in file ``path``; raises PolicyError listing every problem."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise PolicyError([Issue(path, 0, f"can't read the policy: {e.strerror or e}")]) from e
+    return parse_policy(data, path)
+
+
+def check_policy(path: str | os.PathLike[str]) -> list[Issue]:
+    """Every problem in the policy file ``path``; an empty list when it is clean."""
+    try:
+        load_policy(path)
+    except PolicyError as e:
+        return e.issues
+    return []
+
+
+def parse_policy(data: bytes | str, path: str = "<policy>") -> Policy:
+    """The policy in ``data`` (the file's bytes), named ``path`` in messages."""
+    raw = data.encode() if isinstance(data, str) else data
+    digest = hashlib.sha256(raw).hexdigest()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PolicyError([Issue(path, 0, f"not UTF-8 text ({e.reason} at byte {e.start})")]) \
+            from e
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else 0
+        what = " ".join(p for p in (e.context, e.problem) if p)
+        if "'\\t'" in what:
+            what += " (indent with spaces, not tabs)"
+        if e.context_mark and mark and e.context_mark.line != mark.line:
+            what += f" (the construct starts at line {e.context_mark.line + 1})"
+        raise PolicyError([Issue(path, line, f"YAML syntax error: {what}")]) from e
+    except yaml.YAMLError as e:
+        raise PolicyError([Issue(path, 0, f"YAML error: {e}")]) from e
+    if node is None:
+        raise PolicyError([Issue(path, 1, f"the policy is empty; start it with "
+                                          f"'version: {SCHEMA_VERSION}'")])
+    b = Builder(path)
+    try:
+        policy = b.build(Policy, node, "")
+    except (PolicyTooLarge, RecursionError) as e:
+        why = str(e) if isinstance(e, PolicyTooLarge) else "values nest too deep (a recursive " \
+            "alias?)"
+        raise PolicyError([Issue(path, 1, f"the policy is too large: {why}")]) from None
+    if policy is NO_VALUE:
+        raise PolicyError([Issue(*i) for i in b.issues])
+    if "waves.order" not in b.lines and policy.roles:
+        policy = dataclasses.replace(
+            policy, waves=dataclasses.replace(policy.waves, order=_default_order(policy)))
+    _check(policy, b)
+    if b.issues:
+        issues = sorted({Issue(*i) for i in b.issues}, key=lambda i: (i.line, i.message))
+        raise PolicyError(issues)
+    return dataclasses.replace(policy, path=path, sha256=digest)
+
+
+def _default_order(p: Policy) -> tuple[str, ...]:
+    """Without ``waves.order``: the conventional roles the policy has (and the default role), in
+    the conventional order, then its other roles in file order. An unused conventional name
+    would only delay the waves after it by a gap."""
+    names = {r.name for r in p.roles} | {p.default_role}
+    conventional = tuple(r for r in DEFAULT_WAVES if r in names and r != p.cache_role)
+    extra = tuple(r.name for r in p.roles
+                  if r.name not in DEFAULT_WAVES and r.name != p.cache_role)
+    if p.default_role not in conventional + extra + (p.cache_role,):
+        extra += (p.default_role,)
+    return conventional + extra
+
+
+def _check(p: Policy, b: Builder) -> None:
+    """The rules that tie keys together; each problem goes to ``b`` with its line."""
+    if p.version != SCHEMA_VERSION:
+        b.error(b.line_of("version"), f"policy schema version {p.version} is unknown; this "
+                                      f"wagent reads version {SCHEMA_VERSION}")
+    _check_roles(p, b)
+    _check_sources(p, b)
+    _check_models(p, b)
+    _check_rates(p, b)
+    if p.metrics.listen is not None:
+        host, sep, port = p.metrics.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+            b.error(b.line_of("metrics.listen"), f"metrics.listen {p.metrics.listen!r} must be "
+                                                 f"host:port, e.g. 127.0.0.1:9464 (or null)")
+
+
+def _check_roles(p: Policy, b: Builder) -> None:
+    names = [r.name for r in p.roles]
+    explicit = "waves.order" in b.lines
+    # A role whose settings were refused still exists: don't call it unknown as well.
+    refused = {path.split(".")[1] for path in b.bad if path.startswith("roles.")}
+    known = set(names) | refused | {p.default_role}
+    seen: set[str] = set()
+    typos = False
+    for i, wave in enumerate(p.waves.order):
+        line = b.line_of(f"waves.order[{i}]")
+        if wave == p.cache_role:
+            b.error(line, f"waves.order names the cache role {wave!r}, which pulls ahead of "
+                          f"every wave; remove it from waves.order")
+        elif wave in seen:
+            b.error(line, f"waves.order names {wave!r} twice")
+        elif explicit and wave not in known:
+            close = _close(wave, sorted(known))
+            typos = True
+            b.error(line, f"waves.order names unknown role {wave!r}{close}; define it under "
+                          f"roles or fix the name")
+        seen.add(wave)
+    if explicit and not typos:            # a misspelt wave explains the role left out
+        for r in p.roles:
+            if r.name != p.cache_role and r.name not in p.waves.order:
+                b.error(b.line_of(f"roles.{r.name}"), f"role {r.name!r} is in no wave; add it "
+                                                      f"to waves.order")
+    if (explicit and not typos and p.default_role not in p.waves.order
+            and p.default_role != p.cache_role):
+        b.error(b.line_of("default_role", b.line_of("waves.order")),
+                f"default_role {p.default_role!r} is in no wave; add it to waves.order or "
+                f"name another role{_close(p.default_role, list(p.waves.order))}")
+    for r in p.roles:
+        for j, w in enumerate(r.windows):
+            where = f"roles.{r.name}.windows[{j}]"
+            try:
+                spec = parse_cron(w.cron)
+            except CronError as e:
+                b.error(b.line_of(f"{where}.cron"), f"{where}.cron: {e}")
+                continue
+            if w.duration <= 0:
+                b.error(b.line_of(f"{where}.duration"), f"{where} is an empty window: duration "
+                                                        f"must be more than 0, e.g. 8h")
+            elif not spec.fires():
+                b.error(b.line_of(f"{where}.cron"), f"{where} is an empty window: cron "
+                                                    f"{w.cron!r} never fires")
+        for j, pattern in enumerate(r.hosts):
+            if not pattern.strip():
+                b.error(b.line_of(f"roles.{r.name}.hosts[{j}]"),
+                        f"roles.{r.name}.hosts[{j}] is an empty pattern")
+
+
+def _check_sources(p: Policy, b: Builder) -> None:
+    seen: dict[str, int] = {}
+    for i, s in enumerate(p.sources):
+        where = f"sources[{i}]"
+        _check_url(b, s.url, f"{where}.url", b.line_of(f"{where}.url", b.line_of(where)))
+        if s.proxy is not None:
+            _check_url(b, s.proxy, f"{where}.proxy", b.line_of(f"{where}.proxy"))
+        url = s.url.rstrip("/")
+        if url in seen:
+            b.error(b.line_of(where), f"{where}: source {s.url!r} is listed twice (first at "
+                                      f"line {seen[url]})")
+        seen.setdefault(url, b.line_of(where))
+
+
+def _check_url(b: Builder, url: str, where: str, line: int) -> None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as e:
+        b.error(line, f"{where} {url!r} is not a URL ({e})")
+        return
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        b.error(line, f"{where} {url!r} must be an http:// or https:// URL with a host, "
+                      f"e.g. https://weights.example.com/models")
+    elif parts.query or parts.fragment:
+        b.error(line, f"{where} {url!r} must be a base URL without ?query or #fragment")
+
+
+def _check_models(p: Policy, b: Builder) -> None:
+    seen: dict[str, int] = {}
+    for i, m in enumerate(p.models):
+        where = f"models[{i}]"
+        line = b.line_of(f"{where}.name", b.line_of(where))
+        if not _NAME.match(m.name) or ".." in m.name.split("/"):
+            b.error(line, f"{where}.name {m.name!r} must be letters, digits and . _ + - "
+                          f"(with / between parts), no '..'")
+        if m.name in seen:
+            b.error(line, f"duplicate model {m.name!r} (first at line {seen[m.name]}); list "
+                          f"each model once")
+        seen.setdefault(m.name, line)
+        for what, v in [("version", m.version)] + [(f"pin[{j}]", x) for j, x in enumerate(m.pin)]:
+            if not _NAME.match(v) or "/" in v or v in (".", ".."):
+                b.error(b.line_of(f"{where}.{what}", line),
+                        f"{where}.{what} {v!r} must be one name: letters, digits and . _ + -")
+
+
+def _check_rates(p: Policy, b: Builder) -> None:
+    sh, bo = p.shaping, p.backoff
+
+    def ok(*paths: str) -> bool:                 # a refused value isn't compared again
+        return not b.bad.intersection(paths)
+
+    if sh.rate > sh.ceil and ok("shaping.rate", "shaping.ceil"):
+        b.error(b.line_of("shaping.rate", b.line_of("shaping.ceil")),
+                f"shaping.rate {units.format_rate(sh.rate)} is above shaping.ceil "
+                f"{units.format_rate(sh.ceil)}; the guaranteed rate can't exceed the cap")
+    if sh.ceil > sh.link_rate and ok("shaping.ceil", "shaping.link_rate"):
+        b.error(b.line_of("shaping.ceil", b.line_of("shaping.link_rate")),
+                f"shaping.ceil {units.format_rate(sh.ceil)} is above shaping.link_rate "
+                f"{units.format_rate(sh.link_rate)}")
+    if sh.enabled and not sh.interfaces:
+        b.error(b.line_of("shaping.enabled"), "shaping is enabled but shaping.interfaces is "
+                                              "empty; name the interfaces wagent may shape")
+    cap = bo.cap if bo.cap is not None else sh.ceil
+    if bo.floor > cap and ok("backoff.floor", "backoff.cap", "shaping.ceil"):
+        what = "backoff.cap" if bo.cap is not None else "shaping.ceil (backoff.cap is unset)"
+        b.error(b.line_of("backoff.floor", b.line_of("backoff.cap")),
+                f"backoff.floor {units.format_rate(bo.floor)} is above {what} "
+                f"{units.format_rate(cap)}")
+
+
+def _close(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

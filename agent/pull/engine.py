@@ -1,0 +1,268 @@
+"""Pull one model version into the store: the API the daemon and ``wagent pull`` call.
+
+>>> # pull_version([Source("http://origin:8080")], "llama", "v7", Store("/var/cache/wagent"),
+>>> #              options=PullOptions(streams=8), bucket=TokenBucket(None))
+
+Steps: check the store can be written (no symlinks on the way); return at once if the version is
+installed (a second pull transfers nothing); fetch the manifest from the first source that serves a
+valid one; plan against the store (pieces in the file's partial journal are kept, pieces in any
+local blob are copied, the rest fetched); run the transfer; publish the version atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    check_name,
+    parse,
+    published_ts,
+)
+from agent.policy_model import Pulls, Source
+from agent.pull import plan as planning
+from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, url_for
+from agent.pull.journal import Partial
+from agent.pull.transfer import FileState, PullError, PullStopped, Settings, Transfer
+from agent.ratelimit import TokenBucket
+from agent.store import Store, StoreError
+
+__all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped",
+           "published_at", "pull_version", "resolve_latest"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PullOptions:
+    streams: int = 8
+    piece_size: int = 64 * 2**20        # publisher side; here only the cap of one request
+    request_size: int = 16 * 2**20      # consecutive pieces batched into one Range request
+    chunk: int = 2**20                  # bytes read (and paid to the bucket) at a time
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    retries: int = 5
+    backoff_base: float = 0.5
+    backoff_cap: float = 30.0
+    durable: bool = True                # fdatasync a piece before journaling it
+    # Every piece is verified and the pieces tile the file, so the file's sha256 already holds;
+    # True adds one sequential re-read and hash of each file (about doubling the CPU per GB).
+    verify_files: bool = False
+
+    @classmethod
+    def from_policy(cls, pulls: Pulls) -> PullOptions:
+        return cls(streams=pulls.streams, piece_size=pulls.piece_size,
+                   request_size=min(pulls.piece_size, cls.request_size),
+                   connect_timeout=pulls.connect_timeout, read_timeout=pulls.read_timeout,
+                   retries=pulls.retries)
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(self.connect_timeout, self.read_timeout)
+
+
+@dataclass(frozen=True)
+class PullProgress:
+    model: str
+    version: str
+    event: str                 # "start", "progress", "file" (one file landed), "done"
+    bytes_total: int           # the version's distinct bytes
+    bytes_done: int            # already present, resumed, copied or fetched and verified so far
+    bytes_fetched: int         # received from the network in this pull
+    bytes_reused: int          # copied from local blobs in this pull
+    rate: float                # bytes/s received, over the last few seconds
+    streams: int               # streams with a request in flight
+    files_done: int
+    files_total: int
+    elapsed: float
+    file: str | None = None    # for "file": its path
+
+    @property
+    def eta(self) -> float | None:
+        left = self.bytes_total - self.bytes_done
+        return left / self.rate if self.rate > 0 else (0.0 if left == 0 else None)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    model: str
+    version: str
+    bytes_fetched: int
+    bytes_reused: int
+    bytes_total: int
+    files: int
+    seconds: float
+    path: Path
+
+
+def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions) -> str:
+    """The version named by ``{source}/{model}/latest`` on the first source that answers."""
+    check_name("model", model)
+    errors = []
+    for source in sources:
+        try:
+            client = Client(source, options.timeouts)
+        except CredentialsError as e:
+            errors.append(str(e))
+            continue
+        try:
+            text = client.get_small(url_for(source, model, "latest"), 4096)
+            line = text.decode("utf-8", "replace").strip().splitlines()
+            return check_name("version", line[0].strip() if line else "")
+        except (FetchError, ManifestError) as e:
+            errors.append(str(e))
+        finally:
+            client.close()
+    raise PullError(f"no source named the latest version of {model}: " + "; ".join(errors)
+                    if errors else "no sources configured")
+
+
+def fetch_manifest(sources: Sequence[Source], model: str, version: str,
+                   options: PullOptions) -> tuple[bytes, Manifest]:
+    errors = []
+    for source in sources:
+        url = url_for(source, model, version, MANIFEST_NAME)
+        try:
+            client = Client(source, options.timeouts)
+        except CredentialsError as e:
+            errors.append(str(e))
+            continue
+        try:
+            raw = client.get_small(url, MAX_MANIFEST_BYTES)
+            m = parse(raw, url)
+            if (m.model, m.version) != (model, version):
+                raise ManifestError(f"{url}: names {m.model}/{m.version}, not {model}/{version}")
+            return raw, m
+        except (FetchError, ManifestError) as e:
+            errors.append(str(e))
+        finally:
+            client.close()
+    raise PullError(f"no usable manifest for {model}/{version}: " + "; ".join(errors)
+                    if errors else "no sources configured")
+
+
+def pull_version(sources: Sequence[Source], model: str, version: str, store: Store, *,
+                 options: PullOptions | None = None, bucket: TokenBucket | None = None,
+                 progress: Callable[[PullProgress], None] | None = None,
+                 stop: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> PullResult:
+    options = options or PullOptions()
+    stop = stop or threading.Event()
+    started = clock()
+    if not sources:
+        raise PullError("no sources: give a URL or list sources in the policy")
+    try:
+        check_name("model", model)
+        if version == "latest":
+            version = resolve_latest(sources, model, options)
+        check_name("version", version)
+        store.check_writable(model, version)
+        with store.pull_lock():
+            m = store.installed(model, version)
+            if m is not None:
+                store.touch(model, version, wall_clock())
+                return PullResult(model, version, 0, 0, m.size, len(m.files), clock() - started,
+                                  store.version_dir(model, version))
+            raw, m = fetch_manifest(sources, model, version, options)
+            return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
+                         wall_clock, started)
+    except (ManifestError, StoreError) as e:
+        raise PullError(str(e)) from None
+    except OSError as e:
+        raise PullError(f"store {store.root}: {e.strerror or e} ({e.filename or ''})") from None
+
+
+def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
+          options: PullOptions, bucket: TokenBucket | None,
+          progress: Callable[[PullProgress], None] | None, stop: threading.Event,
+          clock: Callable[[], float], wall_clock: Callable[[], float],
+          started: float) -> PullResult:
+    blobs = store.blob_shas()
+    first: dict[str, str] = {}
+    for f in m.files:
+        first.setdefault(f.sha256, f.path)
+    partials = {sha: Partial(store.partial, sha, next(f.size for f in m.files if f.sha256 == sha),
+                             durable=options.durable)
+                for sha in first if sha not in blobs}
+    try:
+        p = planning.plan(m, blobs, store.piece_index() if partials else {},
+                          {sha: part.done for sha, part in partials.items()})
+        for fp in p.files:
+            partials[fp.sha256].keep_only({piece.offset for piece in fp.done})
+            partials[fp.sha256].preallocate()
+    except OSError as e:
+        for part in partials.values():
+            part.close()
+        if e.errno in (28, 122):      # ENOSPC, EDQUOT
+            raise PullError(f"no space left in the store {store.root} for {m.model}/{m.version} "
+                            f"({m.size} bytes): free space (or evict old versions) and pull "
+                            "again; verified pieces are kept") from None
+        raise
+    files = {fp.sha256: FileState(fp.sha256, fp.size, fp.paths[0], fp.pieces,
+                                  partials[fp.sha256], len(fp.copies) + len(fp.fetch))
+             for fp in p.files}
+    copies = [(fp.sha256, c) for fp in p.files for c in fp.copies]
+    settings = Settings(m.model, m.version, max(1, options.streams),
+                        max(1, min(options.request_size, options.piece_size)), options.chunk,
+                        options.timeouts, options.retries, options.backoff_base,
+                        options.backoff_cap, options.verify_files)
+    transfer = Transfer(sources, store, files, planning.requests_for(p, settings.request_size),
+                        copies, settings, bucket, stop, on_file=lambda f: emit("file", f.path))
+    base_done = p.bytes_present + p.bytes_done
+    window: list[tuple[float, int]] = []
+
+    def emit(event: str, path: str | None = None) -> None:
+        if progress is None:
+            return
+        now = clock()
+        with transfer.cond:
+            fetched, reused = transfer.fetched, transfer.reused
+            busy, verified = transfer.streams_busy, transfer.verified
+        window.append((now, fetched))
+        while len(window) > 2 and now - window[0][0] > 3.0:
+            window.pop(0)
+        span = now - window[0][0]
+        rate = (fetched - window[0][1]) / span if span > 0 else 0.0
+        progress(PullProgress(
+            m.model, m.version, event, p.bytes_total, base_done + verified, fetched, reused,
+            rate, busy, len(p.present) + transfer.files_done, len(first), now - started, path))
+
+    emit("start")
+    try:
+        transfer.run(tick=lambda: emit("progress"))
+    finally:
+        for part in partials.values():
+            part.close()
+    for sha in first:
+        if not store.has_blob(sha):
+            raise PullStopped("pull stopped before every file landed") if stop.is_set() \
+                else PullError(f"{first[sha]} did not land in the store (internal error)")
+    try:
+        path = store.publish(m, raw, wall_clock())
+    except OSError as e:
+        raise PullError(f"publishing {m.model}/{m.version} in {store.root}: "
+                        f"{e.strerror or e}") from None
+    emit("done")
+    log.info("pulled %s/%s: %d bytes fetched, %d reused", m.model, m.version,
+             transfer.fetched, transfer.reused)
+    return PullResult(m.model, m.version, transfer.fetched, transfer.reused, p.bytes_total,
+                      len(m.files), clock() - started, path)
+
+
+def published_at(sources: Sequence[Source], model: str, version: str,
+                 options: PullOptions) -> float | None:
+    """When the version was published (its manifest's time), or None if no source serves it."""
+    try:
+        _, m = fetch_manifest(sources, model, version, options)
+    except PullError:
+        return None
+    return published_ts(m.published)

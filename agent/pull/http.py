@@ -1,0 +1,198 @@
+"""HTTP for pulls: the only module that imports requests.
+
+One ``requests.Session`` per stream (connection reuse, no sharing across threads). TLS verification
+is always on, with an optional CA bundle per source; a per-source proxy; per-source credentials read
+from a file (``bearer TOKEN`` or ``basic USER:PASSWORD``), never logged nor put in an error message.
+Range responses are checked to the byte: status 206 (a 200 is a full body, refused), a
+``Content-Range`` naming exactly the bytes asked for, and exactly that many bytes in the body.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Generator
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import requests
+import urllib3.exceptions
+from requests.adapters import HTTPAdapter
+
+from agent.policy_model import Source
+
+USER_AGENT = "wagent"
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+
+
+class FetchError(Exception):
+    """One request failed (network, status, framing); the pull may try another source."""
+
+
+class ChangedError(FetchError):
+    """The file changed on the source (its ETag is not the one recorded)."""
+
+    def __init__(self, message: str, etag: str | None) -> None:
+        super().__init__(message)
+        self.etag = etag
+
+
+class CredentialsError(Exception):
+    """A credentials file that can't be read or parsed (its content is never shown)."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 10.0
+    read: float = 30.0
+
+
+def read_credentials(path: str) -> str:
+    """The Authorization header value from a credentials file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except OSError as e:
+        raise CredentialsError(f"credentials file {path}: {e.strerror}") from None
+    kind, _, secret = text.partition(" ")
+    secret = secret.strip()
+    if kind.lower() == "bearer" and secret:
+        return f"Bearer {secret}"
+    if kind.lower() == "basic" and ":" in secret:
+        return "Basic " + base64.b64encode(secret.encode()).decode()
+    raise CredentialsError(f"credentials file {path}: expected one line 'bearer TOKEN' or "
+                           "'basic USER:PASSWORD'")
+
+
+def url_for(source: Source, *parts: str) -> str:
+    return source.url.rstrip("/") + "/" + "/".join(quote(p, safe="/") for p in parts)
+
+
+def redact(url: str) -> str:
+    """A URL without user:password, for messages."""
+    return re.sub(r"//[^/@]*@", "//", url)
+
+
+class Client:
+    """Requests to one source over one Session (one per stream: sessions aren't thread-safe)."""
+
+    def __init__(self, source: Source, timeouts: Timeouts) -> None:
+        self.source = source
+        self.timeouts = timeouts
+        s = requests.Session()
+        # One connection per stream; requests' own retries are off (the engine retries, across
+        # sources, with backoff).
+        s.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
+        s.mount("https://", HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
+        s.headers["User-Agent"] = USER_AGENT
+        s.headers["Accept-Encoding"] = "identity"     # byte ranges of the file, never of a gzip
+        s.verify = source.ca_bundle or True
+        if source.proxy:
+            s.proxies = {"http": source.proxy, "https": source.proxy}
+        if source.credentials:
+            s.headers["Authorization"] = read_credentials(source.credentials)
+        self.session = s
+
+    def close(self) -> None:
+        self.session.close()
+
+    def get_small(self, url: str, limit: int) -> bytes:
+        """A whole small document (manifest, ``latest``), at most ``limit`` bytes."""
+        try:
+            with self.session.get(url, stream=True,
+                                  timeout=(self.timeouts.connect, self.timeouts.read)) as r:
+                if r.status_code != 200:
+                    raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+                body = r.raw.read(limit + 1, decode_content=True)
+                if len(body) > limit:
+                    raise FetchError(f"{redact(url)}: larger than {limit} bytes")
+                return body
+        except requests.RequestException as e:
+            raise FetchError(f"{redact(url)}: {_why(e)}") from None
+
+    def ranged(self, url: str, offset: int, size: int, etag: str | None,
+               chunk: int) -> tuple[str | None, Generator[bytes, None, None]]:
+        """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
+
+        With ``etag`` the request carries If-Range: a source whose file changed answers 200 with
+        the whole new file, which raises ChangedError (never mixed with the old bytes).
+        """
+        headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
+        if etag and not etag.startswith("W/"):
+            headers["If-Range"] = etag
+        try:
+            r = self.session.get(url, headers=headers, stream=True,
+                                 timeout=(self.timeouts.connect, self.timeouts.read))
+        except requests.RequestException as e:
+            raise FetchError(f"{redact(url)}: {_why(e)}") from None
+        new_etag = r.headers.get("ETag")
+        try:
+            if r.status_code == 200:
+                if etag and new_etag != etag:
+                    raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
+                                       f"{new_etag})", new_etag)
+                raise FetchError(f"{redact(url)}: answered 200 (the whole file) to a Range "
+                                 "request; the source must serve byte ranges")
+            if r.status_code != 206:
+                raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+            if etag and new_etag and new_etag != etag:
+                raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
+                                   f"{new_etag})", new_etag)
+            m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
+            if not m or int(m.group(1)) != offset or int(m.group(2)) != offset + size - 1:
+                raise FetchError(f"{redact(url)}: Content-Range "
+                                 f"{r.headers.get('Content-Range')!r} is not the range asked "
+                                 f"for (bytes {offset}-{offset + size - 1})")
+            length = r.headers.get("Content-Length")
+            if length is not None and length.strip() != str(size):
+                raise FetchError(f"{redact(url)}: Content-Length {length} for a range of {size} "
+                                 "bytes")
+        except BaseException:
+            r.close()
+            raise
+        return new_etag, self._body(r, url, size, chunk)
+
+    @staticmethod
+    def _body(r: requests.Response, url: str, size: int, chunk: int
+              ) -> Generator[bytes, None, None]:
+        try:
+            left = size
+            while left:
+                try:
+                    data = r.raw.read(min(chunk, left), decode_content=False)
+                except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    raise FetchError(f"{redact(url)}: {_why(e)} after {size - left} of {size} "
+                                     "bytes") from None
+                if not data:
+                    raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
+                                     "bytes")
+                left -= len(data)
+                yield data
+            if r.headers.get("Content-Length") is None:
+                # A body framed by chunks or by closing: make sure it ends where the range does.
+                try:
+                    extra = r.raw.read(1, decode_content=False)
+                except Exception:
+                    extra = b""
+                if extra:
+                    raise FetchError(f"{redact(url)}: sent more bytes than the {size} asked for")
+        finally:
+            r.close()
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, urllib3.exceptions.ReadTimeoutError):
+        return "timed out reading"
+    if isinstance(e, urllib3.exceptions.ProtocolError | urllib3.exceptions.IncompleteRead):
+        return "the connection broke or the body ended early"
+    if isinstance(e, requests.exceptions.SSLError):
+        return "TLS verification failed (set a CA bundle for this source if it uses a private CA)"
+    if isinstance(e, requests.exceptions.ProxyError):
+        return "the proxy refused or failed the request"
+    if isinstance(e, requests.exceptions.ConnectTimeout):
+        return "timed out connecting"
+    if isinstance(e, requests.exceptions.ReadTimeout):
+        return "timed out reading"
+    if isinstance(e, requests.exceptions.ConnectionError):
+        return "connection failed or was reset"
+    return type(e).__name__

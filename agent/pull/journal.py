@@ -1,0 +1,119 @@
+"""A file being pulled: its preallocated partial file and the journal of its verified pieces.
+
+``partial/{sha256}.part`` receives pieces with pwrite at their offsets; ``partial/{sha256}.journal``
+gets one line per verified piece, appended only after the piece's bytes are written (and, with
+``durable``, after fdatasync), so after kill -9 or a power cut the journal never claims bytes the
+part file lacks: a resumed pull re-fetches at most the pieces that were in flight. The journal also
+keeps each source's ETag for the file, which later requests send as If-Range::
+
+    wagent-journal 1 <sha256> <size>
+    etag http://origin:8080 "6750a1b2-4000000"
+    piece 0 1048576 <sha256>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+MAGIC = "wagent-journal 1"
+
+
+class Partial:
+    def __init__(self, directory: Path, sha256: str, size: int, durable: bool = True) -> None:
+        self.sha256 = sha256
+        self.size = size
+        self.durable = durable
+        self.part_path = directory / f"{sha256}.part"
+        self.journal_path = directory / f"{sha256}.journal"
+        self.done: dict[int, tuple[int, str]] = {}      # offset -> (size, sha256)
+        self.etags: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._load()
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.part_path, flags, 0o644)
+        self._jfd = os.open(self.journal_path, flags | os.O_APPEND, 0o644)
+        if not self.done:
+            # Nothing trustworthy in it: start it over (keeping the ETags, still useful).
+            os.ftruncate(self._jfd, 0)
+            lines = [f"{MAGIC} {sha256} {size}"] + [
+                f"etag {quote(s, safe='')} {quote(e, safe='')}" for s, e in self.etags.items()]
+            os.write(self._jfd, ("\n".join(lines) + "\n").encode())
+
+    def _load(self) -> None:
+        try:
+            lines = self.journal_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return
+        if not lines or lines[0] != f"{MAGIC} {self.sha256} {self.size}":
+            return          # unknown or torn header: start the file over
+        for line in lines[1:]:
+            parts = line.split(" ")
+            # A torn last line (power cut mid-write) is simply not a record.
+            if parts[0] == "piece" and len(parts) == 4 and parts[1].isdigit() \
+                    and parts[2].isdigit() and len(parts[3]) == 64:
+                self.done[int(parts[1])] = (int(parts[2]), parts[3])
+            elif parts[0] == "etag" and len(parts) == 3:
+                self.etags[unquote(parts[1])] = unquote(parts[2])
+        if self.done and not self.part_path.exists():
+            self.done.clear()
+
+    def preallocate(self) -> None:
+        """Reserve the whole file now, so a full disk shows at once and not mid-pull."""
+        if os.fstat(self.fd).st_blocks * 512 < self.size:
+            os.posix_fallocate(self.fd, 0, max(self.size, 1))
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, offset)
+            view = view[n:]
+            offset += n
+
+    def sync(self) -> None:
+        """Make the written bytes durable before a journal line claims them (if ``durable``)."""
+        if self.durable:
+            os.fdatasync(self.fd)
+
+    def record_piece(self, offset: int, size: int, sha256: str) -> None:
+        """Append a verified piece (call ``sync`` first)."""
+        with self._lock:
+            os.write(self._jfd, f"piece {offset} {size} {sha256}\n".encode())
+            self.done[offset] = (size, sha256)
+
+    def record_etag(self, source: str, etag: str) -> None:
+        with self._lock:
+            if self.etags.get(source) == etag:
+                return
+            os.write(self._jfd, f"etag {quote(source, safe='')} {quote(etag, safe='')}\n"
+                     .encode())
+            self.etags[source] = etag
+
+    def keep_only(self, offsets: set[int]) -> None:
+        """Forget journaled pieces the current manifest doesn't have (another piece layout)."""
+        with self._lock:
+            self.done = {o: v for o, v in self.done.items() if o in offsets}
+
+    def discard(self) -> None:
+        """Forget every piece (the file changed on the source): the part is started over."""
+        with self._lock:
+            os.ftruncate(self._jfd, 0)
+            os.write(self._jfd, f"{MAGIC} {self.sha256} {self.size}\n".encode())
+            self.done.clear()
+            self.etags.clear()
+
+    def finish(self) -> Path:
+        """Close and drop the journal; returns the part file, ready to be moved into blobs/."""
+        os.fsync(self.fd)
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.journal_path)
+        return self.part_path
+
+    def close(self) -> None:
+        for fd in (self.fd, self._jfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,70 @@
+"""How ``wagent pull`` shows a pull: a bar on a terminal, one log line per file elsewhere."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TextIO
+
+from agent.pull.engine import PullProgress, PullResult
+from agent.units import format_duration, format_rate, format_size
+
+
+def bar_line(p: PullProgress, width: int = 30) -> str:
+    frac = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
+    frac = min(1.0, max(0.0, frac))
+    filled = int(frac * width)
+    eta = p.eta
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}% "
+            f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)} "
+            f"{format_rate(p.rate * 8)} ETA {format_duration(eta) if eta is not None else '?'} "
+            f"streams {p.streams} files {p.files_done}/{p.files_total}")
+
+
+def file_line(p: PullProgress) -> str:
+    return (f"{p.model}/{p.version}: {p.file} verified ({p.files_done}/{p.files_total} files, "
+            f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)}, "
+            f"{format_size(p.bytes_fetched)} fetched)")
+
+
+def summary(r: PullResult) -> str:
+    rate = r.bytes_fetched * 8 / r.seconds if r.seconds > 0 else 0.0
+    return (f"{r.model}/{r.version}: {r.files} files, {format_size(r.bytes_total)} in "
+            f"{format_duration(r.seconds)}: {format_size(r.bytes_fetched)} fetched "
+            f"({format_rate(rate)}), {format_size(r.bytes_reused)} copied locally -> {r.path}")
+
+
+class Reporter:
+    """A progress callback for pull_version: a redrawn bar if ``out`` is a TTY, else file lines."""
+
+    def __init__(self, out: TextIO | None = None, tty: bool | None = None,
+                 quiet: bool = False) -> None:
+        self.out = out or sys.stderr
+        self.tty = self.out.isatty() if tty is None else tty
+        self.quiet = quiet
+        self._lock = threading.Lock()
+        self._drawn = False
+
+    def __call__(self, p: PullProgress) -> None:
+        if self.quiet:
+            return
+        with self._lock:
+            if self.tty:
+                if p.event == "file":
+                    return
+                self.out.write("\r\x1b[K" + bar_line(p))
+                self._drawn = True
+                if p.event == "done":
+                    self.out.write("\n")
+                    self._drawn = False
+            elif p.event == "file":
+                self.out.write(file_line(p) + "\n")
+            self.out.flush()
+
+    def end(self) -> None:
+        """Leave the line after an unfinished bar (an error message follows)."""
+        with self._lock:
+            if self._drawn:
+                self.out.write("\n")
+                self.out.flush()
+                self._drawn = False

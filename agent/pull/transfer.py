@@ -1,0 +1,376 @@
+"""The moving part of a pull: N streams fetching planned requests into partial files.
+
+Each stream is a thread with its own HTTP session per source. It takes the next request (a run of
+consecutive pieces of one file) from a shared queue, streams the body in chunks, pays the shared
+token bucket per chunk, pwrites each chunk at its offset, hashes the bytes as they arrive and, at
+each piece boundary, checks the piece's sha256 and journals it. A failure (connection, timeout,
+status, framing, hash) moves the rest of the request to the next source; after every source has
+failed, the stream backs off (exponential, with jitter) and goes round again, a bounded number of
+times. A file whose last piece lands is moved into blobs/ by the stream that landed it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+from agent import hashing
+from agent.manifest import Piece
+from agent.policy_model import Source
+from agent.pull.http import ChangedError, Client, FetchError, Timeouts, url_for
+from agent.pull.journal import Partial
+from agent.pull.plan import Copy, Request
+from agent.ratelimit import TokenBucket
+from agent.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class PullError(Exception):
+    """A pull that failed; the message says why and what to do. Verified pieces are kept."""
+
+
+class PullStopped(PullError):
+    """The pull was asked to stop; partial files are kept for the next pull."""
+
+
+class _Stale(Exception):
+    """The file was restarted under this request: drop what it carries."""
+
+
+@dataclass
+class FileState:
+    sha256: str
+    size: int
+    path: str                       # the first manifest path with this content, for URLs
+    pieces: tuple[Piece, ...]
+    partial: Partial
+    remaining: int
+    generation: int = 0
+    changed_on: set[int] = field(default_factory=set)   # sources whose file no longer matches
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    version: str
+    streams: int
+    request_size: int
+    chunk: int
+    timeouts: Timeouts
+    retries: int
+    backoff_base: float
+    backoff_cap: float
+    verify_files: bool
+
+
+class Transfer:
+    def __init__(self, sources: Sequence[Source], store: Store, files: dict[str, FileState],
+                 requests: Sequence[Request], copies: Sequence[tuple[str, Copy]],
+                 settings: Settings, bucket: TokenBucket | None, stop: threading.Event,
+                 on_file: Callable[[FileState], None]) -> None:
+        self.sources = list(sources)
+        self.store = store
+        self.files = files
+        self.queue = collections.deque(requests)
+        self.copies = list(copies)
+        self.s = settings
+        self.bucket = bucket
+        self.stop = stop
+        self.on_file = on_file
+        self.cond = threading.Condition()
+        self.active = 0
+        self.error: PullError | None = None
+        self.fetched = 0                  # body bytes received, whatever became of them
+        self.reused = 0
+        self.streams_busy = 0
+        self.verified = 0                 # bytes of pieces verified (or copied) in this pull
+        self.files_done = 0
+
+    # -- orchestration --------------------------------------------------------------------------
+    def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
+        workers = [threading.Thread(target=self._stream, args=(i,), name=f"pull-{i}", daemon=True)
+                   for i in range(self.s.streams)]
+        copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
+        # Files whose pieces were all journaled already: before any stream can touch them.
+        for f in list(self.files.values()):
+            if f.remaining == 0:
+                try:
+                    self._finish_file(f)
+                except OSError as e:
+                    self._fail(self._os_error(e, f.path))
+                except PullError as e:
+                    self._fail(e)
+        with self.cond:
+            self.active += 1              # the copier, so streams don't leave before it ends
+        copier.start()
+        for w in workers:
+            w.start()
+        threads = [copier, *workers]
+        while alive := [t for t in threads if t.is_alive()]:
+            alive[0].join(interval)
+            tick()
+        if self.error is not None:
+            raise self.error
+        if self.stop.is_set() and any(f.remaining for f in self.files.values()):
+            raise PullStopped("pull stopped; the pieces already verified are kept for the next "
+                              "pull")
+
+    def _fail(self, error: PullError) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+    def _next(self) -> Request | None:
+        with self.cond:
+            while not self.queue and self.active > 0 and self.error is None \
+                    and not self.stop.is_set():
+                self.cond.wait(0.2)
+            if not self.queue or self.error is not None or self.stop.is_set():
+                return None
+            self.active += 1
+            return self.queue.popleft()
+
+    def _release(self) -> None:
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+    # -- local copies ---------------------------------------------------------------------------
+    def _copy_all(self) -> None:
+        try:
+            open_blobs: dict[str, int] = {}
+            try:
+                for sha, c in self.copies:
+                    if self.stop.is_set() or self.error is not None:
+                        return
+                    f = self.files[sha]
+                    src = open_blobs.get(c.blob)
+                    if src is None:
+                        src = open_blobs[c.blob] = os.open(self.store.blob_path(c.blob),
+                                                           os.O_RDONLY | os.O_CLOEXEC)
+                    generation = f.generation
+                    if generation or f.remaining == 0:
+                        continue              # restarted: its pieces are all fetched now
+                    copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset, c.piece.size)
+                    f.partial.sync()
+                    with self.cond:
+                        self.reused += c.piece.size
+                    with contextlib.suppress(_Stale):
+                        self._piece_done(f, c.piece, generation)
+            finally:
+                for fd in open_blobs.values():
+                    os.close(fd)
+        except PullError as e:
+            self._fail(e)
+        except OSError as e:
+            self._fail(self._os_error(e, "copying local pieces"))
+        finally:
+            self._release()
+
+    # -- streams --------------------------------------------------------------------------------
+    def _stream(self, index: int) -> None:
+        clients: dict[int, Client] = {}
+        preferred = 0
+        try:
+            while (req := self._next()) is not None:
+                try:
+                    preferred = self._fetch(req, clients, preferred)
+                except PullError as e:
+                    self._fail(e)
+                except OSError as e:
+                    self._fail(self._os_error(e, self.files[req.sha256].path))
+                except Exception as e:  # a bug must fail the pull, not hang it
+                    log.exception("pull stream %d", index)
+                    self._fail(PullError(f"internal error in stream {index}: {e!r}"))
+                finally:
+                    self._release()
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def _fetch(self, req: Request, clients: dict[int, Client], preferred: int) -> int:
+        f = self.files[req.sha256]
+        generation = f.generation
+        pieces = list(req.pieces)
+        failures: list[str] = []
+        rounds = 0
+        while pieces:
+            order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
+            order = [i for i in order if i not in f.changed_on]
+            if not order:
+                raise PullError(f"{f.path} changed on every source during the pull (its ETag "
+                                "changed); its partial was discarded: pull again to get the "
+                                "current manifest")
+            for i in order:
+                if not pieces:
+                    return i
+                if self.stop.is_set() or self.error is not None:
+                    return preferred
+                client = clients.get(i)
+                if client is None:
+                    client = clients[i] = Client(self.sources[i], self.s.timeouts)
+                try:
+                    with self.cond:
+                        self.streams_busy += 1
+                    try:
+                        self._fetch_from(i, client, f, pieces, generation)
+                    finally:
+                        with self.cond:
+                            self.streams_busy -= 1
+                    if not pieces or self.stop.is_set():
+                        return i
+                except _Stale:
+                    return preferred
+                except ChangedError as e:
+                    log.warning("%s", e)
+                    self._restart_file(f, generation, i)
+                    return preferred
+                except FetchError as e:
+                    log.info("piece fetch failed, trying the next source: %s", e)
+                    failures.append(str(e))
+            rounds += 1
+            if rounds > self.s.retries:
+                raise PullError(f"{f.path}: bytes {pieces[0].offset}+ failed on every source "
+                                f"{rounds} times; last errors: {'; '.join(failures[-3:])}")
+            delay = min(self.s.backoff_cap, self.s.backoff_base * 2 ** (rounds - 1))
+            if self.stop.wait(delay * random.uniform(0.5, 1.5)):
+                return preferred
+        return preferred
+
+    def _fetch_from(self, si: int, client: Client, f: FileState, pieces: list[Piece],
+                    generation: int) -> None:
+        source = self.sources[si]
+        offset = pieces[0].offset
+        size = sum(p.size for p in pieces)
+        url = url_for(source, self.s.model, self.s.version, f.path)
+        chunk = self.bucket.chunk_size(self.s.chunk) if self.bucket else self.s.chunk
+        etag = f.partial.etags.get(source.url)
+        new_etag, body = client.ranged(url, offset, size, etag, chunk)
+        if new_etag and not etag:
+            f.partial.record_etag(source.url, new_etag)
+        try:
+            self._receive(url, f, body, pieces, offset, generation)
+        finally:
+            body.close()
+
+    def _receive(self, url: str, f: FileState, body: Generator[bytes, None, None],
+                 pieces: list[Piece], pos: int, generation: int) -> None:
+        piece = pieces[0]
+        h = hashlib.sha256()
+        left = piece.size
+        for data in body:
+            n = len(data)
+            if self.bucket is not None:
+                self.bucket.consume(n, self.stop)
+            f.partial.write(pos, data)
+            pos += n
+            with self.cond:
+                self.fetched += n
+            view = memoryview(data)
+            while view:
+                take = min(len(view), left)
+                h.update(view[:take])
+                view = view[take:]
+                left -= take
+                if left:
+                    continue
+                if h.hexdigest() != piece.sha256:
+                    raise FetchError(f"{url}: bytes {piece.offset}+{piece.size} do not match "
+                                     "their sha256 in the manifest")
+                f.partial.sync()
+                self._piece_done(f, piece, generation)
+                pieces.pop(0)
+                if pieces:
+                    piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
+            if self.stop.is_set() or self.error is not None:
+                return
+
+    def _restart_file(self, f: FileState, generation: int, source_index: int) -> None:
+        """The file changed on a source: forget its partial and fetch it all again, elsewhere."""
+        with self.cond:
+            f.changed_on.add(source_index)
+            if f.generation != generation:
+                return                    # another stream restarted it already
+            f.generation += 1
+            self.verified -= sum(s for s, _ in f.partial.done.values())
+            f.partial.discard()
+            f.remaining = len(f.pieces)
+            others = [r for r in self.queue if r.sha256 != f.sha256]
+            self.queue.clear()
+            self.queue.extend([Request(f.sha256, (p,)) for p in f.pieces] + others)
+            self.cond.notify_all()
+
+    def _piece_done(self, f: FileState, piece: Piece, generation: int) -> None:
+        with self.cond:
+            if f.generation != generation:
+                raise _Stale
+            if piece.offset in f.partial.done:
+                return                    # landed twice (restart races): count it once
+            f.partial.record_piece(piece.offset, piece.size, piece.sha256)
+            self.verified += piece.size
+            f.remaining -= 1
+            last = f.remaining == 0
+        if last:
+            self._finish_file(f)
+
+    def _finish_file(self, f: FileState) -> None:
+        if {p.offset for p in f.pieces} != set(f.partial.done):
+            raise PullError(f"{f.path}: internal error: finished with pieces missing")
+        part = f.partial.finish()
+        if self.s.verify_files:
+            got = hashing.file_sha256(part)
+            if got != f.sha256:
+                os.unlink(part)
+                raise PullError(f"{f.path}: every piece verified but the whole file's sha256 is "
+                                f"{got}, not {f.sha256}: the manifest is inconsistent; rebuild it "
+                                "with 'wagent manifest build'")
+        self.store.add_blob(part, f.sha256)
+        with self.cond:
+            self.files_done += 1
+        self.on_file(f)
+
+    def _os_error(self, e: OSError, what: str) -> PullError:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return PullError(f"no space left in the store {self.store.root} while writing {what}: "
+                             "free space (or evict old versions) and pull again; verified pieces "
+                             "are kept")
+        return PullError(f"{what}: {e.strerror or e} ({e.filename or self.store.root})")
+
+
+def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) -> None:
+    """Copy bytes between files inside the kernel when it can (copy_file_range), else pread."""
+    left = size
+    try:
+        while left:
+            n = os.copy_file_range(src, dst, left, src_offset, dst_offset)
+            if n == 0:
+                raise OSError(errno.EIO, "source blob shorter than its manifest says")
+            left, src_offset, dst_offset = left - n, src_offset + n, dst_offset + n
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    while left:
+        data = os.pread(src, min(left, 4 * 2**20), src_offset)
+        if not data:
+            raise OSError(errno.EIO, "source blob shorter than its manifest says")
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(dst, view, dst_offset)
+            view, dst_offset = view[n:], dst_offset + n
+        left, src_offset = left - len(data), src_offset + len(data)
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,85 @@
+"""One token bucket shared by every stream of a process, its rate changeable while pulls run.
+
+It is a GCRA (virtual scheduling) bucket: a theoretical arrival time ``tat`` advances by
+``bytes / rate`` for each reservation; a caller whose reservation ends in the future sleeps until
+then. Idle time banks at most ``burst`` seconds of credit, so over any second the bytes let through
+stay within (1 + burst) x rate plus one chunk per stream. ``set_rate`` (the backoff controller's
+knob) takes effect at once: waiters are woken and the schedule restarts from now.
+
+>>> t = [0.0]
+>>> b = TokenBucket(8_000_000, burst=0.0, clock=lambda: t[0])   # 1 MB/s
+>>> b.reserve(500_000), b.reserve(500_000)
+(0.5, 1.0)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    def __init__(self, bits_per_s: int | None = None, *, burst: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._burst = burst
+        self._cond = threading.Condition()
+        self._rate = self._check(bits_per_s)
+        self._tat = clock()
+        self._generation = 0
+
+    @staticmethod
+    def _check(bits_per_s: int | None) -> int | None:
+        if bits_per_s is not None and bits_per_s <= 0:
+            raise ValueError(f"rate must be positive bits/s or None (unlimited), got {bits_per_s}")
+        return bits_per_s
+
+    @property
+    def rate(self) -> int | None:
+        """The cap in bits/s; None: unlimited."""
+        return self._rate
+
+    def set_rate(self, bits_per_s: int | None) -> None:
+        with self._cond:
+            self._rate = self._check(bits_per_s)
+            self._tat = self._clock()
+            self._generation += 1
+            self._cond.notify_all()
+
+    def chunk_size(self, largest: int, smallest: int = 16384) -> int:
+        """Bytes worth reading per step: about 1/20 s of the current rate, within the bounds."""
+        rate = self._rate
+        if rate is None:
+            return largest
+        return max(smallest, min(largest, rate // 8 // 20))
+
+    def reserve(self, n_bytes: int) -> float:
+        """Book ``n_bytes``; returns how long the caller must wait before sending them."""
+        with self._cond:
+            return self._reserve(n_bytes)
+
+    def _reserve(self, n_bytes: int) -> float:
+        now = self._clock()
+        if self._rate is None:
+            self._tat = now
+            return 0.0
+        self._tat = max(self._tat, now - self._burst) + n_bytes * 8 / self._rate
+        return max(0.0, self._tat - now)
+
+    def consume(self, n_bytes: int, stop: threading.Event | None = None) -> None:
+        """Block until ``n_bytes`` may pass (or the rate changes, or ``stop`` is set)."""
+        with self._cond:
+            wait = self._reserve(n_bytes)
+            if wait <= 0:
+                return
+            generation = self._generation
+            deadline = self._clock() + wait
+            while True:
+                # Short waits so that a stop request is noticed within 0.1 s.
+                self._cond.wait(min(wait, 0.1))
+                if self._generation != generation or (stop is not None and stop.is_set()):
+                    return
+                wait = deadline - self._clock()
+                if wait <= 0:
+                    return

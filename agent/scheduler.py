@@ -1,0 +1,124 @@
+"""APScheduler 3.x behind a small interface: the only module that imports apscheduler.
+
+Two traps in APScheduler 3 are closed here:
+
+* ``misfire_grace_time`` defaults to 1 s: a job whose time passed while the worker was busy, the
+  machine suspended or the process starting, is dropped with only a warning. wagent's jobs
+  ("start pulling version v2", "the night window opened") must run however late, so every job
+  gets ``misfire_grace_time=None`` and ``coalesce=True`` (several missed runs collapse into one).
+* ``CronTrigger(day_of_week=0)`` means Monday, where cron's 0 is Sunday (and cron ORs the two day
+  fields where CronTrigger ANDs them). wagent never gives APScheduler a cron field: window
+  openings come from ``agent.cron`` and are scheduled as one-shot DateTrigger jobs, each
+  re-armed for the following opening when it fires.
+
+Works with APScheduler 3.9.1 (Debian 12) and the newest 3.x. Times are POSIX seconds or aware
+datetimes; the scheduler runs in UTC.
+
+>>> s = Scheduler(); s.start()
+>>> s.at(time.time() + 60, start_pull, job_id="pull:llama:v2")
+>>> s.on_windows("window:training", windows, on_open, clock=time.time)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.base import JobLookupError
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.date import DateTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from agent.policy_model import Window
+from agent.schedule import next_opening, open_until
+
+log = logging.getLogger(__name__)
+
+JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1}
+
+
+class Scheduler:
+    """One-shot, interval and window-opening jobs on a background thread pool, in UTC."""
+
+    def __init__(self, workers: int = 4, misfire_grace_time: float | None = None) -> None:
+        # misfire_grace_time is a parameter only so a test can show what the default would do.
+        defaults = dict(JOB_DEFAULTS, misfire_grace_time=misfire_grace_time)
+        self._aps = BackgroundScheduler(
+            timezone=UTC, job_defaults=defaults,
+            executors={"default": ThreadPoolExecutor(max_workers=workers)})
+
+    def start(self) -> None:
+        self._aps.start()
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._aps.running:
+            self._aps.shutdown(wait=wait)
+
+    def at(self, when: float | datetime, func: Callable[..., Any], *, job_id: str,
+           args: Iterable[Any] = ()) -> None:
+        """Run ``func(*args)`` once at ``when`` (at once if already past); replaces ``job_id``."""
+        self._aps.add_job(func, DateTrigger(run_date=_aware(when), timezone=UTC), args=list(args),
+                          id=job_id, name=job_id, replace_existing=True)
+
+    def every(self, seconds: float, func: Callable[..., Any], *, job_id: str,
+              first: float | datetime | None = None) -> None:
+        """Run ``func()`` every ``seconds``, first at ``first`` (default: one interval from now)."""
+        trigger = IntervalTrigger(seconds=seconds, timezone=UTC,
+                                  start_date=_aware(first) if first is not None else None)
+        self._aps.add_job(func, trigger, id=job_id, name=job_id, replace_existing=True)
+
+    def on_windows(self, job_id: str, windows: Iterable[Window], func: Callable[[], Any],
+                   clock: Callable[[], float]) -> float | None:
+        """Call ``func()`` at every opening of ``windows`` (one already open counts at once).
+
+        Returns the first opening scheduled, or None when the windows never open (or there
+        are none: pulls may then run at any time and there is nothing to wait for).
+        """
+        windows = tuple(windows)
+        if not windows:
+            self.cancel(job_id)
+            return None
+
+        def fire() -> None:
+            try:
+                func()
+            finally:
+                # The next opening strictly after this one: the current window is open now, so
+                # look from its end, as next_opening(now) would return now again.
+                self._arm_after(job_id, windows, fire, clock)
+
+        first = next_opening(windows, clock())
+        if first is None:
+            self.cancel(job_id)
+            return None
+        self.at(first, fire, job_id=job_id)
+        return first
+
+    def _arm_after(self, job_id: str, windows: tuple[Window, ...], fire: Callable[[], None],
+                   clock: Callable[[], float]) -> None:
+        now = clock()
+        when = next_opening(windows, open_until(windows, now))
+        if when is not None and self._aps.running:
+            self.at(when, fire, job_id=job_id)
+
+    def cancel(self, job_id: str) -> bool:
+        """Remove a job; False if there was none."""
+        try:
+            self._aps.remove_job(job_id)
+        except JobLookupError:
+            return False
+        return True
+
+    def jobs(self) -> dict[str, float | None]:
+        """job id -> next run (POSIX seconds), for status and tests."""
+        return {j.id: (j.next_run_time.timestamp() if j.next_run_time else None)
+                for j in self._aps.get_jobs()}
+
+
+def _aware(when: float | datetime) -> datetime:
+    if isinstance(when, datetime):
+        return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    return datetime.fromtimestamp(when, UTC)

@@ -1,0 +1,304 @@
+"""The backoff loop: every tick, read the detectors, run the controller, apply its rate.
+
+The rate goes to both sides at once through two callbacks: the kernel's HTB ceil of the
+distribution class (``shaping.shaper.Shaper.set_ceil``) and the pulls' token bucket
+(``agent.ratelimit.TokenBucket.set_rate``). Either may be None (no shaping on this node; a
+daemon with nothing pulling). The clock and the sleep are passed in, so a test drives ticks by
+hand with ``tick()``; ``start()`` runs them on a thread.
+
+    loop = BackoffLoop(Controller(policy.backoff, cap), Detectors.from_policy(policy.backoff),
+                       set_kernel_ceil=shaper.set_ceil, set_pull_rate=bucket.set_rate,
+                       distribution=lambda: {"eth0": (class_rx_bytes, 0)}, tick=1.0)
+    loop.start() ... loop.stop()
+    loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from agent.policy_model import Backoff, Policy, Source
+from agent.units import format_rate
+from shaping.controller import Controller, Decision
+from shaping.detect import Detectors
+from shaping.detect.readings import Readings
+
+log = logging.getLogger("wagent.backoff")
+
+RateSink = Callable[[int], Any]
+DistributionSource = Callable[[], Mapping[str, tuple[int, int]] | None]
+HISTORY = 600  # decisions kept for status and benchmarks (10 min at 1 s, 1 min at 100 ms)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One tick as it happened, for status, metrics and the yield benchmark."""
+
+    at: float
+    rate_bps: int
+    state: str
+    reason: str
+
+
+class BackoffLoop:
+    def __init__(self, controller: Controller, detectors: Detectors, *,
+                 set_kernel_ceil: RateSink | None = None, set_pull_rate: RateSink | None = None,
+                 distribution: DistributionSource | None = None, tick: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Any] | None = None) -> None:
+        self.controller = controller
+        self.detectors = detectors
+        self.sinks: dict[str, RateSink] = {}
+        if set_kernel_ceil is not None:
+            self.sinks["kernel ceil"] = set_kernel_ceil
+        if set_pull_rate is not None:
+            self.sinks["pull rate"] = set_pull_rate
+        self.distribution = distribution
+        self.tick_s = max(0.1, float(tick))
+        self._clock = clock
+        self._stop = threading.Event()
+        self._sleep = sleep if sleep is not None else self._stop.wait
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._applied: dict[str, int] = {}    # what each sink last accepted
+        self.decision: Decision | None = None
+        self.readings: Readings | None = None
+        self.history: deque[Applied] = deque(maxlen=HISTORY)
+        self.ticks = 0
+        self.apply_errors = 0
+        self.last_error: str | None = None
+
+    @property
+    def events(self) -> int:
+        """How many times training traffic made the loop back off."""
+        return self.controller.events
+
+    def tick(self) -> Decision:
+        """One tick: sample, decide, apply (sinks that failed last time are retried)."""
+        now = self._clock()
+        dist = None
+        if self.distribution is not None:
+            try:
+                dist = self.distribution()
+            except Exception as e:  # stats unreadable this tick: judge without the link
+                self._note_error(f"distribution counters: {e}")
+        readings = self.detectors.sample(now, dist)
+        decision = self.controller.step(readings, now)
+        for name, sink in self.sinks.items():
+            # A sink that can say what it holds is trusted over our memory of it: someone else
+            # (a --rate given at start, a reload) may have moved it since.
+            current = getattr(sink, "current", None)
+            try:
+                held = current() if callable(current) else self._applied.get(name)
+                if held == decision.rate_bps:
+                    continue
+                sink(decision.rate_bps)
+            except Exception as e:  # keep the other side moving; retried next tick
+                self.apply_errors += 1
+                self._note_error(f"setting {name} to {format_rate(decision.rate_bps)}: {e}")
+                self._applied.pop(name, None)
+            else:
+                self._applied[name] = decision.rate_bps
+        if decision.changed:
+            log.info("distribution rate %s (%s): %s", format_rate(decision.rate_bps),
+                     decision.state, decision.reason)
+        for err in readings.errors:
+            self._note_error(err)
+        with self._lock:
+            self.decision, self.readings = decision, readings
+            self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason))
+            self.ticks += 1
+        return decision
+
+    def run(self) -> None:
+        """Tick until ``stop()``; ticks keep to a grid so a slow tick doesn't drift the rest."""
+        next_at = self._clock()
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # never let the loop die: distribution would stay where it is
+                log.exception("backoff tick failed")
+            next_at += self.tick_s
+            now = self._clock()
+            if next_at < now:
+                next_at = now  # fell behind (a suspended VM, a busy host): don't burst to catch up
+            self._sleep(next_at - now)
+
+    def start(self) -> BackoffLoop:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="wagent-backoff", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def status(self) -> dict[str, Any]:
+        """Plain values for ``wagent status --json`` and the metrics."""
+        with self._lock:
+            d, r = self.decision, self.readings
+        return {
+            "state": d.state if d else "full",
+            "rate_bps": d.rate_bps if d else self.controller.cap,
+            "reason": d.reason if d else "not started",
+            "since": d.since if d else None,
+            "events": self.events,
+            "ticks": self.ticks,
+            "cap_bps": self.controller.cap,
+            "floor_bps": self.controller.floor,
+            "apply_errors": self.apply_errors,
+            "last_error": self.last_error,
+            "training_connections": r.training_connections if r else 0,
+            "other_bps": max((x.other_bps for x in r.links), default=0.0) if r else 0.0,
+            "rdma_bps": max((x.bps for x in r.rdma), default=0.0) if r else 0.0,
+            "nccl_processes": len(r.nccl) if r else 0,
+        }
+
+    def _note_error(self, text: str) -> None:
+        if text != self.last_error:
+            log.warning("backoff: %s", text)
+        self.last_error = text
+
+
+def cap_for(policy: Policy, rate: int | None = None) -> int:
+    """The rate the loop climbs back to: ``backoff.cap``, else ``shaping.ceil``; never above an
+    explicit ``rate`` (``wagent pull --rate``) or the static ``pulls.rate``."""
+    cap = policy.backoff.cap if policy.backoff.cap is not None else policy.shaping.ceil
+    for limit in (rate, policy.pulls.rate):
+        if limit is not None:
+            cap = min(cap, limit)
+    return cap
+
+
+class BucketRate:
+    """The pulls' token bucket as a rate sink that can say what it holds (see ``tick``)."""
+
+    def __init__(self, bucket: Any) -> None:
+        self.bucket = bucket
+
+    def __call__(self, bits_per_s: int) -> None:
+        self.bucket.set_rate(bits_per_s)
+
+    def current(self) -> int | None:
+        return self.bucket.rate
+
+
+def start_for_pull(policy: Policy, bucket: Any, shaper: Any | None = None, *,
+                   rate: int | None = None, bytes_read: Callable[[], int] | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> BackoffLoop | None:
+    """Run the policy's backoff beside one ``wagent pull``; None when backoff is disabled.
+
+    ``bucket`` is the pull's ``TokenBucket`` (``set_rate(bits_per_s)``, ``rate``); ``shaper`` the
+    applied ``shaping.shaper.Shaper`` (``set_ceil``, ``stats``) or None without kernel shaping.
+    The link detector needs the distribution's own bytes to tell other traffic from ours: the
+    shaper's class counters, else ``bytes_read()`` (the pull's received bytes) on a single
+    interface; without either it stays off, and the ports, RDMA and NCCL detectors still count.
+    """
+    backoff: Backoff = policy.backoff
+    if not backoff.enabled:
+        return None
+    interfaces = tuple(policy.shaping.interfaces)
+    distribution: DistributionSource | None = None
+    if shaper is not None:
+        distribution = shaper_distribution(shaper, interfaces)
+    elif bytes_read is not None and len(interfaces) == 1:
+        ifname = interfaces[0]
+
+        def distribution() -> Mapping[str, tuple[int, int]]:
+            return {ifname: (int(bytes_read()), 0)}
+
+    detectors = Detectors.from_policy(backoff, interfaces, link=distribution is not None)
+    controller = Controller(backoff, cap_for(policy, rate))
+    loop = BackoffLoop(controller, detectors,
+                       set_kernel_ceil=shaper.set_ceil if shaper is not None else None,
+                       set_pull_rate=BucketRate(bucket) if bucket is not None else None,
+                       distribution=distribution, tick=backoff.tick, clock=clock)
+    return loop.start()
+
+
+@contextmanager
+def pull_backoff(policy: Policy, bucket: Any, *, rate: int | None = None,
+                 sources: Sequence[Source] = ()) -> Iterator[BackoffLoop | None]:
+    """Shaping and backoff around one CLI pull (``wagent pull --policy P``).
+
+    With ``shaping.enabled`` the policy's trees are applied first (wagent's existing tree is
+    adopted), so the kernel's ceil backs off with the pull's bucket; a tree this pull made is
+    cleared afterwards, one that was there before (the daemon's) gets its ceil back.
+    ``sources`` are the pull's own, added to the policy's for the ingress match.
+    Raises ``shaping.errors.ShapingError`` when shaping can't be applied (e.g. no CAP_NET_ADMIN).
+    """
+    shaper = None
+    made = False
+    if policy.shaping.enabled:
+        from shaping import state
+        from shaping.shaper import Shaper
+
+        known = {s.url for s in policy.sources}
+        shaper = Shaper(policy.shaping, (*policy.sources, *(s for s in sources
+                                                             if s.url not in known)),
+                        policy.state_dir)
+        before = state.load(policy.state_dir)
+        made = not any(i in before for i in policy.shaping.interfaces)
+        shaper.apply()
+    loop = None
+    try:
+        loop = start_for_pull(policy, bucket, shaper, rate=rate)
+        yield loop
+    finally:
+        if loop is not None:
+            loop.stop()
+        if shaper is not None:
+            try:
+                if made:
+                    shaper.clear()
+                else:
+                    shaper.set_ceil(policy.shaping.ceil)
+            finally:
+                shaper.close()
+
+
+def shaper_distribution(shaper: Any, interfaces: Sequence[str]) -> DistributionSource:
+    """``{ifname: (rx_bytes, tx_bytes)}`` of the distribution classes, from ``Shaper.stats()``."""
+
+    def read() -> Mapping[str, tuple[int, int]]:
+        return distribution_bytes(shaper.stats(), interfaces)
+
+    return read
+
+
+def distribution_bytes(stats: Iterable[Any], interfaces: Sequence[str]) -> dict[str, tuple[int,
+                                                                                         int]]:
+    """The bytes that reached the distribution classes, per interface: an IFB's tree
+    (``wg-eth0``) shapes what ``eth0`` receives, a tree on ``eth0`` itself what it sends.
+
+    HTB counts a class's bytes when they leave it; the interface counted them on arrival. So the
+    bytes queued in the class (backlog) and those it dropped (drops times the mean packet size)
+    are added: without them a queue building up at the cap looks like other traffic.
+    """
+    from shaping.plan import ifb_name
+
+    ifbs = {ifb_name(i): i for i in interfaces}
+    out: dict[str, tuple[int, int]] = {}
+    for st in stats:
+        if st.name != "distribution":
+            continue
+        mean_packet = st.bytes // st.packets if st.packets else 1500
+        arrived = st.bytes + st.backlog + st.drops * mean_packet
+        if st.device in ifbs:
+            name = ifbs[st.device]
+            rx, tx = out.get(name, (0, 0))
+            out[name] = (rx + arrived, tx)
+        else:
+            rx, tx = out.get(st.device, (0, 0))
+            out[st.device] = (rx, tx + arrived)
+    return out

@@ -1,0 +1,175 @@
+"""The backoff controller: readings in, the distribution rate out. Pure: no I/O, no clock.
+
+AIMD with hysteresis. Each tick the readings are judged (``assess``):
+
+- *training*: a TCP connection on a training port (its presence alone: a flow that distribution
+  starves carries little at first), a process mapping libnccl, RDMA at or above
+  ``rdma_threshold``, or other link traffic at or above ``link_threshold``;
+- *quiet*: none of those, and RDMA and other traffic below half their thresholds;
+- in between (the hysteresis band): neither; nothing changes.
+
+Training cuts the rate at once, to ``floor`` (``decrease`` = 0) or by the factor ``decrease``
+every tick it lasts, never below the floor. After ``quiet`` seconds of uninterrupted quiet (and
+at least ``min_hold`` in the backed-off state) the rate climbs by ``increase`` per tick up to
+the cap, where the state is "full" again.
+
+>>> from agent.policy_model import Backoff
+>>> from shaping.detect.readings import PortReading, Readings
+>>> c = Controller(Backoff(floor=10**7, quiet=2.0, increase=4 * 10**8), cap_bps=10**9)
+>>> c.step(Readings(at=0.0), now=0.0).state
+'full'
+>>> d = c.step(Readings(at=1.0, ports=(PortReading(29500, 1, None, ("10.0.0.1:29500",)),)), 1.0)
+>>> d.rate_bps, d.state, d.reason
+(10000000, 'backed_off', 'training connection on port 29500 (10.0.0.1:29500)')
+>>> [c.step(Readings(at=t), t).rate_bps for t in (2.0, 3.0, 4.0, 5.0, 6.0)]
+[10000000, 410000000, 810000000, 1000000000, 1000000000]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.policy_model import Backoff
+from agent.units import format_rate
+from shaping.detect.readings import Readings
+
+FULL, BACKED_OFF, RAMPING = "full", "backed_off", "ramping"
+QUIET_FRACTION = 0.5          # quiet means below half the trigger thresholds
+RDMA_OPS_THRESHOLD = 1000.0   # RDMA requests/s that count when no byte counter is readable
+MAX_REASONS = 2
+EPSILON = 1e-6                # ticks at 0.1 s add up to 0.9999999 s
+
+
+@dataclass(frozen=True)
+class Signal:
+    level: str                # "training" | "band" | "quiet"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    rate_bps: int
+    state: str                # "full" | "backed_off" | "ramping"
+    reason: str
+    changed: bool             # rate or state differs from the previous tick's
+    since: float              # when the current state began
+
+
+def assess(readings: Readings, backoff: Backoff) -> Signal:
+    """Judge one tick's readings: training present, quiet, or in the band between."""
+    causes: list[str] = []
+    band: list[str] = []
+    other = max(readings.links, key=lambda r: r.other_bps, default=None)
+    worded = None  # the link whose traffic a port's reason already names
+    for p in readings.ports:
+        if p.connections <= 0:
+            continue
+        if p.bps:
+            causes.append(f"training traffic {format_rate(p.bps)} on port {p.port}")
+        else:
+            peers = ", ".join(p.peers) or f"{p.connections} connections"
+            extra = ""
+            if other is not None and other.other_bps >= backoff.link_threshold * QUIET_FRACTION:
+                extra = f", {format_rate(other.other_bps)} other traffic on {other.ifname}"
+                worded = other
+            causes.append(f"training connection on port {p.port} ({peers}{extra})")
+    for r in readings.rdma:
+        if r.bps >= backoff.rdma_threshold:
+            causes.append(f"RDMA {format_rate(r.bps)} on {r.name}")
+        elif r.ops_per_s >= RDMA_OPS_THRESHOLD:
+            causes.append(f"RDMA {r.ops_per_s:.0f} requests/s on {r.name}")
+        elif (r.bps >= backoff.rdma_threshold * QUIET_FRACTION
+              or r.ops_per_s >= RDMA_OPS_THRESHOLD * QUIET_FRACTION):
+            band.append(f"some RDMA traffic on {r.name}")
+    if backoff.nccl_processes:
+        causes += [f"NCCL process {n.pid} ({n.comm})" for n in readings.nccl]
+    for link in sorted(readings.links, key=lambda r: -r.other_bps):
+        if link is worded:
+            continue
+        if link.other_bps >= backoff.link_threshold:
+            causes.append(f"other traffic {format_rate(link.other_bps)} on {link.ifname}")
+        elif link.other_bps >= backoff.link_threshold * QUIET_FRACTION:
+            band.append(f"other traffic {format_rate(link.other_bps)} on {link.ifname}")
+    if causes:
+        more = len(causes) - MAX_REASONS
+        text = "; ".join(causes[:MAX_REASONS]) + (f" (+{more} more)" if more > 0 else "")
+        return Signal("training", text)
+    if band:
+        return Signal("band", band[0])
+    return Signal("quiet", "no training traffic")
+
+
+class Controller:
+    """Holds the AIMD state between ticks; ``step`` is deterministic in (readings, now)."""
+
+    def __init__(self, backoff: Backoff, cap_bps: int, min_hold: float | None = None) -> None:
+        self.backoff = backoff
+        self.cap = int(cap_bps)
+        self.min_hold = backoff.quiet if min_hold is None else min_hold
+        self._rate = self.cap
+        self._state = FULL
+        self._since: float | None = None
+        self._busy_at: float | None = None     # last tick that was not quiet
+        self._reason = "no training traffic"
+        self._cause = ""                       # the last training reason, kept while quiet
+        self.events = 0                        # times training cut the rate from full/ramping
+
+    @property
+    def floor(self) -> int:
+        return min(self.backoff.floor, self.cap)
+
+    def set_cap(self, cap_bps: int) -> None:
+        """A new cap (policy reload): takes effect now when full, else bounds the ramp."""
+        self.cap = int(cap_bps)
+        if self._state == FULL or self._rate > self.cap:
+            self._rate = self.cap if self._state == FULL else max(self.floor, self.cap)
+
+    def step(self, readings: Readings, now: float) -> Decision:
+        prev = (self._rate, self._state)
+        if self._since is None:
+            self._since = now
+        if not self.backoff.enabled:
+            self._rate, self._reason = self.cap, "backoff disabled"
+            return self._decide(prev, FULL, now)
+        signal = assess(readings, self.backoff)
+        if signal.level != "quiet":
+            self._busy_at = now
+        if signal.level == "training":
+            if self._state != BACKED_OFF:
+                self.events += 1
+            self._rate = self._cut(self._rate)
+            self._reason = self._cause = signal.reason
+            return self._decide(prev, BACKED_OFF, now)
+        if self._state == FULL:
+            self._rate = self.cap
+            self._reason = signal.reason
+            return self._decide(prev, FULL, now)
+        if signal.level == "band":
+            # Something moderate: neither cut further nor climb (hysteresis).
+            self._reason = f"holding: {signal.reason}"
+            return self._decide(prev, self._state, now)
+        quiet_for = now - (self._busy_at if self._busy_at is not None else self._since)
+        if self._state == BACKED_OFF and (quiet_for + EPSILON < self.backoff.quiet
+                                          or now - self._since + EPSILON < self.min_hold):
+            self._reason = f"quiet for {quiet_for:.1f}s of {self.backoff.quiet:g}s, " \
+                f"then ramping up (was: {self._cause})"
+            return self._decide(prev, BACKED_OFF, now)
+        self._rate = min(self.cap, self._rate + self.backoff.increase)
+        if self._rate >= self.cap:
+            self._reason = "no training traffic"
+            return self._decide(prev, FULL, now)
+        self._reason = f"quiet for {quiet_for:.1f}s: ramping up by " \
+            f"{format_rate(self.backoff.increase)} per tick"
+        return self._decide(prev, RAMPING, now)
+
+    def _cut(self, rate: int) -> int:
+        if self.backoff.decrease <= 0:
+            return self.floor
+        return max(self.floor, int(rate * self.backoff.decrease))
+
+    def _decide(self, prev: tuple[int, str], state: str, now: float) -> Decision:
+        if state != self._state:
+            self._since = now
+        self._state = state
+        assert self._since is not None
+        return Decision(self._rate, state, self._reason, (self._rate, state) != prev, self._since)

@@ -1,0 +1,524 @@
+"""The only module that speaks netlink (through pyroute2): dumps tc state into ``shaping.observed``
+values and executes ``shaping.plan`` actions.
+
+Why not ``IPRoute.tc()``: Debian 12's pyroute2 0.7.2 can't encode HTB rates at or above 2^32
+bytes/s (34.4 Gbit/s; no TCA_HTB_RATE64) nor decode them, ignores u32 ``nexthdr``, and its
+``tc('del')`` without an interface index deletes the root qdisc of every link. So the tc messages
+are declared here on pyroute2's ``nlmsg``/``nla`` marshalling (stable from 0.7 to 0.9), their
+structs packed explicitly, every request carries an interface index, and they go over a plain
+NETLINK_ROUTE socket: one request, one ack, the same on every pyroute2 release (0.9's IPRoute runs
+an asyncio core per socket; the backoff loop's ceil change wants a single syscall pair). Links
+(the IFB) go through ``IPRoute.link()``, whose API is the same in both.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+
+from pyroute2 import IPRoute
+from pyroute2.netlink import nla, nlmsg
+from pyroute2.netlink.exceptions import NetlinkError
+
+from shaping.errors import NET_ADMIN_HINT, ShapingError
+from shaping.observed import (
+    TC_H_INGRESS,
+    TC_H_ROOT,
+    Device,
+    FilterState,
+    HtbClassState,
+    Qdisc,
+    U32Key,
+)
+from shaping.plan import (
+    Action,
+    AddIngress,
+    CreateIfb,
+    DeleteClass,
+    DeleteFilter,
+    DeleteLink,
+    DeleteQdisc,
+    Filter,
+    HtbClass,
+    RestoreRoot,
+    SetClass,
+    SetFilter,
+    SetLinkUp,
+    SetRootHtb,
+    bytes_to_ticks,
+)
+
+RTM_NEWQDISC, RTM_DELQDISC, RTM_GETQDISC = 36, 37, 38
+RTM_NEWTCLASS, RTM_DELTCLASS, RTM_GETTCLASS = 40, 41, 42
+RTM_NEWTFILTER, RTM_DELTFILTER, RTM_GETTFILTER = 44, 45, 46
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
+NLM_F_REPLACE, NLM_F_EXCL, NLM_F_CREATE = 0x100, 0x200, 0x400
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+SOL_NETLINK, NETLINK_EXT_ACK, NLMSGERR_ATTR_MSG = 270, 11, 1
+TC_ACT_STOLEN, TCA_EGRESS_REDIR = 4, 1
+TC_U32_TERMINAL = 1
+LINKLAYER_ETHERNET = 1
+U32_MAX = 0xFFFFFFFF
+IFF_UP = 0x1
+
+_RATESPEC = "BBHhHI"
+_HTB_OPT = struct.Struct("=" + _RATESPEC + _RATESPEC + "IIIII")   # struct tc_htb_opt
+_HTB_GLOB = struct.Struct("=IIIII")                               # struct tc_htb_glob
+_U32_SEL = struct.Struct("=BBBxHHhhI")                            # struct tc_u32_sel (no keys)
+_U32_KEY = struct.Struct("=4s4sii")                               # mask, val (be), off, offmask
+_MIRRED = struct.Struct("=IIiiiiI")                               # struct tc_mirred
+_ESTIMATOR = struct.Struct("=bB")                                 # struct tc_estimator
+
+
+class _stats2(nla):
+    nla_map = (("TCA_STATS_UNSPEC", "none"), ("TCA_STATS_BASIC", "cdata"),
+               ("TCA_STATS_RATE_EST", "cdata"), ("TCA_STATS_QUEUE", "cdata"),
+               ("TCA_STATS_APP", "cdata"), ("TCA_STATS_RATE_EST64", "cdata"),
+               ("TCA_STATS_PAD", "cdata"), ("TCA_STATS_BASIC_HW", "cdata"),
+               ("TCA_STATS_PKT64", "uint64"))
+
+
+class _htb_options(nla):
+    nla_map = (("TCA_HTB_UNSPEC", "none"), ("TCA_HTB_PARMS", "cdata"),
+               ("TCA_HTB_INIT", "cdata"), ("TCA_HTB_CTAB", "cdata"),
+               ("TCA_HTB_RTAB", "cdata"), ("TCA_HTB_DIRECT_QLEN", "uint32"),
+               ("TCA_HTB_RATE64", "uint64"), ("TCA_HTB_CEIL64", "uint64"),
+               ("TCA_HTB_PAD", "cdata"), ("TCA_HTB_OFFLOAD", "flag"))
+
+
+class _mirred_options(nla):
+    # Decoded as mirred's; another action kind's PARMS is only read if its KIND is mirred.
+    nla_map = (("TCA_MIRRED_UNSPEC", "none"), ("TCA_MIRRED_TM", "cdata"),
+               ("TCA_MIRRED_PARMS", "cdata"))
+
+
+class _action(nla):
+    nla_map = (("TCA_ACT_UNSPEC", "none"), ("TCA_ACT_KIND", "asciiz"),
+               ("TCA_ACT_OPTIONS", "options"), ("TCA_ACT_INDEX", "uint32"),
+               ("TCA_ACT_STATS", "cdata"))
+    options = _mirred_options
+
+
+class _actions(nla):
+    # Actions are keyed by their order (1, 2, ...), each one nested.
+    nla_map = tuple((i, f"TCA_ACT_PRIO_{i}", "action") for i in range(1, 33))
+    action = _action
+
+
+class _u32_options(nla):
+    nla_map = (("TCA_U32_UNSPEC", "none"), ("TCA_U32_CLASSID", "uint32"),
+               ("TCA_U32_HASH", "uint32"), ("TCA_U32_LINK", "uint32"),
+               ("TCA_U32_DIVISOR", "uint32"), ("TCA_U32_SEL", "cdata"),
+               ("TCA_U32_POLICE", "cdata"), ("TCA_U32_ACT", "actions"),
+               ("TCA_U32_INDEV", "asciiz"), ("TCA_U32_PCNT", "cdata"),
+               ("TCA_U32_MARK", "cdata"), ("TCA_U32_FLAGS", "uint32"))
+    actions = _actions
+
+
+def _tc_class(name: str, options: str, **nested: type[nla]) -> type[nlmsg]:
+    """A struct tcmsg whose TCA_OPTIONS decodes as ``options``. Built as separate classes, not
+    subclasses: pyroute2 caches the compiled attribute map on the class and a subclass would
+    inherit its parent's."""
+    body = {
+        "fields": (("family", "B"), ("pad1", "B"), ("pad2", "H"), ("index", "i"),
+                   ("handle", "I"), ("parent", "I"), ("info", "I")),
+        "nla_map": (("TCA_UNSPEC", "none"), ("TCA_KIND", "asciiz"), ("TCA_OPTIONS", options),
+                    ("TCA_STATS", "cdata"), ("TCA_XSTATS", "cdata"), ("TCA_RATE", "cdata"),
+                    ("TCA_FCNT", "cdata"), ("TCA_STATS2", "stats2"), ("TCA_STAB", "cdata")),
+        "stats2": _stats2,
+        **nested,
+    }
+    return type(name, (nlmsg,), body)
+
+
+_tc = _tc_class("_tc", "cdata")
+_htb_tc = _tc_class("_htb_tc", "htb", htb=_htb_options)
+_u32_tc = _tc_class("_u32_tc", "u32", u32=_u32_options)
+
+
+_BY_KIND: dict[str, type[nlmsg]] = {"htb": _htb_tc, "u32": _u32_tc}
+
+
+def _kind_of(data: bytes) -> str:
+    """TCA_KIND of a raw tc message, read ahead so the right message class can decode it."""
+    off = 16 + 20
+    while off + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, off)
+        if length < 4:
+            break
+        if kind & 0x3FFF == 1:
+            return data[off + 4:off + length].rstrip(b"\0").decode("ascii", "replace")
+        off += (length + 3) & ~3
+    return ""
+
+
+def _attr(msg: nla | nlmsg, name: str, default: object = None) -> object:
+    value = msg.get_attr(name)
+    return default if value is None else value
+
+
+class Netlink:
+    """tc and link requests in the current network namespace. Use as a context manager."""
+
+    def __init__(self) -> None:
+        try:
+            self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        except OSError as e:
+            raise ShapingError(f"can't open a netlink socket: {e}") from None
+        try:
+            self._sock.setsockopt(SOL_NETLINK, NETLINK_EXT_ACK, 1)
+        except OSError:
+            pass                         # kernels before 4.12: errors without the kernel's words
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self._sock.bind((0, 0))
+        self._seq = itertools.count(int.from_bytes(os.urandom(2), "big") + 1)
+        self._ipr: IPRoute | None = None
+
+    def __enter__(self) -> Netlink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._ipr is not None:
+            self._ipr.close()
+            self._ipr = None
+
+    @property
+    def ipr(self) -> IPRoute:
+        if self._ipr is None:
+            self._ipr = IPRoute()
+        return self._ipr
+
+    # ---- reading -------------------------------------------------------------------------
+    def links(self) -> dict[str, tuple[int, str, bool, int]]:
+        """name -> (index, kind, up, txqlen) of every link in the namespace."""
+        out = {}
+        for msg in self.ipr.get_links():
+            info = msg.get_attr("IFLA_LINKINFO")
+            kind = (info.get_attr("IFLA_INFO_KIND") if info is not None else None) or ""
+            out[msg.get_attr("IFLA_IFNAME")] = (msg["index"], kind, bool(msg["flags"] & IFF_UP),
+                                                msg.get_attr("IFLA_TXQLEN") or 0)
+        return out
+
+    def device(self, name: str, links: dict[str, tuple[int, str, bool, int]] | None = None
+               ) -> Device:
+        """One link with its qdiscs, HTB classes and u32 filters (root tree and ingress)."""
+        links = self.links() if links is None else links
+        if name not in links:
+            return Device(name, exists=False)
+        index, kind, up, txqlen = links[name]
+        qdiscs = tuple(self._qdiscs(index))
+        classes: tuple[HtbClassState, ...] = ()
+        filters: list[FilterState] = []
+        root = next((q for q in qdiscs if q.parent == TC_H_ROOT), None)
+        if root is not None and root.kind == "htb":
+            classes = tuple(c for c, _ in self._classes(index))
+            filters += self._filters(index, root.handle)
+        if any(q.parent == TC_H_INGRESS and q.kind == "ingress" for q in qdiscs):
+            filters += self._filters(index, 0xFFFF0000)
+        return Device(name, True, index, kind, up, txqlen, qdiscs, classes, tuple(filters))
+
+    def wagent_roots(self) -> set[int]:
+        """Indexes of links whose root qdisc carries wagent's handle (one dump for all links)."""
+        return {msg["index"] for msg in self._dump(RTM_GETQDISC, 0, 0)
+                if msg["parent"] == TC_H_ROOT and msg["handle"] >> 16 == 0x5747
+                and _attr(msg, "TCA_KIND") == "htb"}
+
+    def class_stats(self, index: int) -> list[tuple[HtbClassState, dict[str, int]]]:
+        return list(self._classes(index))
+
+    def _qdiscs(self, index: int) -> Iterator[Qdisc]:
+        for msg in self._dump(RTM_GETQDISC, index, 0):
+            if msg["index"] != index:
+                continue
+            kind = _attr(msg, "TCA_KIND", "")
+            defcls = 0
+            if kind == "htb":
+                opts = msg.get_attr("TCA_OPTIONS")
+                glob = opts.get_attr("TCA_HTB_INIT") if opts is not None else None
+                if glob:
+                    defcls = _HTB_GLOB.unpack_from(glob)[2]
+            yield Qdisc(str(kind), msg["handle"], msg["parent"], defcls)
+
+    def _classes(self, index: int) -> Iterator[tuple[HtbClassState, dict[str, int]]]:
+        for msg in self._dump(RTM_GETTCLASS, index, 0):
+            if _attr(msg, "TCA_KIND") != "htb" or msg["index"] != index:
+                continue
+            opts = msg.get_attr("TCA_OPTIONS")
+            parms = opts.get_attr("TCA_HTB_PARMS") if opts is not None else None
+            if not parms:
+                continue
+            p = _HTB_OPT.unpack_from(parms)
+            rate = opts.get_attr("TCA_HTB_RATE64") or p[5]
+            ceil = opts.get_attr("TCA_HTB_CEIL64") or p[11]
+            # A top-level class reports parent TC_H_ROOT; it was added under the qdisc's handle.
+            parent = msg["parent"]
+            parent = msg["handle"] & 0xFFFF0000 if parent == TC_H_ROOT else parent
+            cls = HtbClassState(msg["handle"], parent, rate, ceil, p[12], p[13], p[14], p[16],
+                                msg["info"])
+            yield cls, _stats(msg)
+
+    def _filters(self, index: int, parent: int) -> Iterator[FilterState]:
+        for msg in self._dump(RTM_GETTFILTER, index, parent):
+            if _attr(msg, "TCA_KIND") != "u32" or msg["index"] != index:
+                continue
+            info = msg["info"]
+            opts = msg.get_attr("TCA_OPTIONS")
+            keys: tuple[U32Key, ...] = ()
+            classid = redirect = 0
+            if opts is not None:
+                sel = opts.get_attr("TCA_U32_SEL")
+                if sel:
+                    nkeys = _U32_SEL.unpack_from(sel)[2]
+                    keys = tuple(_key(*_U32_KEY.unpack_from(sel, _U32_SEL.size + 16 * i))
+                                 for i in range(nkeys))
+                classid = opts.get_attr("TCA_U32_CLASSID") or 0
+                redirect = _redirect_of(opts.get_attr("TCA_U32_ACT"))
+            yield FilterState(parent, socket.ntohs(info & 0xFFFF), info >> 16, msg["handle"],
+                              "u32", classid, keys, redirect)
+
+    # ---- writing -------------------------------------------------------------------------
+    def execute(self, actions: Sequence[Action]) -> None:
+        """Run actions in order; the first failure raises ShapingError naming the action."""
+        for action in actions:
+            self._execute(action)
+
+    def _execute(self, action: Action) -> None:
+        match action:
+            case CreateIfb(name, txqlen):
+                self._link("add", ifname=name, kind="ifb", txqlen=txqlen)
+                self._link("set", index=self._index(name), state="up")
+            case SetLinkUp(name):
+                self._link("set", index=self._index(name), state="up")
+            case DeleteLink(name):
+                self._link("del", index=self._index(name))
+            case SetRootHtb(device, defcls):
+                glob = _HTB_GLOB.pack(3, 10, defcls, 0, 0)
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _htb_tc, self._index(device),
+                         0x57470000, TC_H_ROOT, 0, "htb",
+                         {"attrs": [["TCA_HTB_INIT", glob]]}, what=f"htb on {device}")
+            case AddIngress(device):
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, _tc, self._index(device),
+                         0xFFFF0000, TC_H_INGRESS, 0, "ingress", None,
+                         what=f"ingress qdisc on {device}")
+            case DeleteQdisc(device, parent, handle, kind):
+                self._tc(RTM_DELQDISC, 0, _tc, self._index(device), handle, parent, 0, None,
+                         None, what=f"{kind} qdisc on {device}")
+            case RestoreRoot(device, kind, handle):
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _tc, self._index(device),
+                         handle, TC_H_ROOT, 0, kind, None, what=f"{kind} qdisc on {device}")
+            case SetClass(device, cls, create):
+                self.set_class(self._index(device), cls, create)
+            case DeleteClass(device, classid):
+                self._tc(RTM_DELTCLASS, 0, _tc, self._index(device), classid, 0, 0, None, None,
+                         what=f"class {classid:#x} on {device}")
+            case SetFilter(device, flt, create):
+                self._set_filter(device, flt, create)
+            case DeleteFilter(device, parent, protocol, pref, handle):
+                info = (pref << 16) | socket.htons(protocol)
+                self._tc(RTM_DELTFILTER, 0, _tc, self._index(device), handle, parent, info, "u32",
+                         None, what=f"filter pref {pref} on {device}")
+            case _:
+                raise TypeError(f"not an action: {action!r}")
+
+    def set_class(self, index: int, cls: HtbClass, create: bool = False) -> None:
+        """Add or change one HTB class with every parameter: one request, one ack."""
+        rate, ceil = cls.rate // 8, cls.ceil // 8
+        parms = _HTB_OPT.pack(0, LINKLAYER_ETHERNET, 0, 0, 0, min(rate, U32_MAX),
+                              0, LINKLAYER_ETHERNET, 0, 0, 0, min(ceil, U32_MAX),
+                              bytes_to_ticks(cls.burst, cls.rate),
+                              bytes_to_ticks(cls.cburst, cls.ceil), cls.quantum, 0, cls.prio)
+        attrs: list[list[object]] = [["TCA_HTB_PARMS", parms]]
+        if rate > U32_MAX:
+            attrs.append(["TCA_HTB_RATE64", rate])
+        if ceil > U32_MAX:
+            attrs.append(["TCA_HTB_CEIL64", ceil])
+        # A rate estimator (every 1 s, averaged over ~4 s) so stats() can report a current rate;
+        # left out on change, where the kernel keeps the one it has.
+        extra = [["TCA_RATE", _ESTIMATOR.pack(0, 2)]] if create else []
+        flags = NLM_F_CREATE | NLM_F_EXCL if create else 0
+        self._tc(RTM_NEWTCLASS, flags, _htb_tc, index, cls.classid, cls.parent, 0, "htb",
+                 {"attrs": attrs}, extra, what=f"class {cls.name} ({cls.classid:#x})")
+
+    def _set_filter(self, device: str, flt: Filter, create: bool) -> None:
+        sel = _U32_SEL.pack(TC_U32_TERMINAL, 0, len(flt.keys), 0, 0, 0, 0, 0) + b"".join(
+            _U32_KEY.pack(k.mask.to_bytes(4, "big"), k.val.to_bytes(4, "big"), k.off, k.offmask)
+            for k in flt.keys)
+        attrs: list[list[object]] = [["TCA_U32_SEL", sel]]
+        if flt.redirect:
+            mirred = _MIRRED.pack(0, 0, TC_ACT_STOLEN, 0, 0, TCA_EGRESS_REDIR,
+                                  self._index(flt.redirect))
+            attrs.append(["TCA_U32_ACT", {"attrs": [["TCA_ACT_PRIO_1", {"attrs": [
+                ["TCA_ACT_KIND", "mirred"],
+                ["TCA_ACT_OPTIONS", {"attrs": [["TCA_MIRRED_PARMS", mirred]]}]]}]]}])
+        else:
+            attrs.insert(0, ["TCA_U32_CLASSID", flt.classid])
+        info = (flt.pref << 16) | socket.htons(flt.protocol)
+        flags = NLM_F_CREATE | (NLM_F_EXCL if create else 0)
+        self._tc(RTM_NEWTFILTER, flags, _u32_tc, self._index(device), flt.handle, flt.parent,
+                 info, "u32", {"attrs": attrs}, what=f"u32 filter on {device}")
+
+    # ---- transport -----------------------------------------------------------------------
+    def _index(self, name: str) -> int:
+        found = self.ipr.link_lookup(ifname=name)
+        if not found:
+            raise ShapingError(f"no interface {name!r} on this host (see `ip link`)")
+        return int(found[0])
+
+    def _link(self, command: str, **kwarg: object) -> None:
+        try:
+            self.ipr.link(command, **kwarg)
+        except NetlinkError as e:
+            what = f"ip link {command} {kwarg.get('ifname') or kwarg.get('index')}"
+            if e.code in (errno.EPERM, errno.EACCES):
+                raise ShapingError(f"{what}: permission denied. {NET_ADMIN_HINT}") from None
+            if command == "add" and e.code in (errno.EOPNOTSUPP, errno.ENOENT, errno.EINVAL):
+                raise ShapingError(f"{what}: this kernel can't create an ifb device (load the "
+                                   "module: modprobe ifb; kernel option CONFIG_IFB)") from None
+            raise ShapingError(f"{what}: {e}") from None
+
+    def _tc(self, msg_type: int, flags: int, cls: type[nlmsg], index: int, handle: int,
+            parent: int, info: int, kind: str | None, options: dict | None,
+            extra: list | None = None, what: str = "") -> None:
+        if index <= 0:
+            # Index 0 means "every link" to some kernel paths: never send it.
+            raise ShapingError(f"{what}: no interface index")
+        msg = cls()
+        msg["family"], msg["index"], msg["handle"] = socket.AF_UNSPEC, index, handle
+        msg["parent"], msg["info"] = parent, info
+        attrs: list[list[object]] = []
+        if kind:
+            attrs.append(["TCA_KIND", kind])
+        if options is not None:
+            attrs.append(["TCA_OPTIONS", options])
+        msg["attrs"] = attrs + (extra or [])
+        self._request(msg, msg_type, flags, what, kind or "")
+
+    def _request(self, msg: nlmsg, msg_type: int, flags: int, what: str, kind: str) -> None:
+        seq = next(self._seq)
+        msg["header"]["type"] = msg_type
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_ACK | flags
+        msg["header"]["sequence_number"] = seq
+        msg.encode()
+        self._sock.send(bytes(msg.data))
+        for mtype, mflags, mseq, body in self._replies():
+            if mseq == seq and mtype == NLMSG_ERROR:
+                code = -struct.unpack_from("=i", body)[0]
+                if code:
+                    raise _tc_error(code, _ext_ack(body, mflags), what, kind, msg_type)
+                return
+
+    def _dump(self, msg_type: int, index: int, parent: int) -> Iterator[nlmsg]:
+        seq = next(self._seq)
+        msg = _tc()
+        msg["family"], msg["index"], msg["parent"] = socket.AF_UNSPEC, index, parent
+        msg["header"]["type"] = msg_type
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
+        msg["header"]["sequence_number"] = seq
+        msg.encode()
+        self._sock.send(bytes(msg.data))
+        out = []
+        for mtype, mflags, mseq, body in self._replies():
+            if mseq != seq:
+                continue
+            if mtype == NLMSG_DONE:
+                break
+            if mtype == NLMSG_ERROR:
+                code = -struct.unpack_from("=i", body)[0]
+                if code:
+                    raise _tc_error(code, _ext_ack(body, mflags), "reading tc state", "",
+                                    msg_type)
+                break
+            raw = struct.pack("=IHHII", 16 + len(body), mtype, 0, mseq, 0) + body
+            parsed = _BY_KIND.get(_kind_of(raw), _tc)(raw)
+            parsed.decode()
+            out.append(parsed)
+        return iter(out)
+
+    def _replies(self) -> Iterator[tuple[int, int, int, bytes]]:
+        while True:
+            data = self._sock.recv(1 << 20)
+            off = 0
+            while off + 16 <= len(data):
+                length, mtype, flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
+                if length < 16:
+                    break
+                yield mtype, flags, seq, data[off + 16:off + length]
+                off += (length + 3) & ~3
+
+
+def _stats(msg: nlmsg) -> dict[str, int]:
+    out = {"bytes": 0, "packets": 0, "drops": 0, "overlimits": 0, "backlog": 0, "rate": 0}
+    st = msg.get_attr("TCA_STATS2")
+    if st is None:
+        return out
+    basic = st.get_attr("TCA_STATS_BASIC")
+    if basic:
+        out["bytes"], out["packets"] = struct.unpack_from("=QI", basic)
+    pkt64 = st.get_attr("TCA_STATS_PKT64")
+    if pkt64:
+        out["packets"] = pkt64
+    queue = st.get_attr("TCA_STATS_QUEUE")
+    if queue:
+        _qlen, out["backlog"], out["drops"], _req, out["overlimits"] = struct.unpack_from(
+            "=IIIII", queue)
+    est64, est = st.get_attr("TCA_STATS_RATE_EST64"), st.get_attr("TCA_STATS_RATE_EST")
+    if est64:
+        out["rate"] = struct.unpack_from("=Q", est64)[0] * 8
+    elif est:
+        out["rate"] = struct.unpack_from("=I", est)[0] * 8
+    return out
+
+
+def _key(mask: bytes, val: bytes, off: int, offmask: int) -> U32Key:
+    return U32Key(int.from_bytes(val, "big"), int.from_bytes(mask, "big"), off, offmask)
+
+
+def _redirect_of(actions: nla | None) -> int:
+    if actions is None:
+        return 0
+    for _name, act in actions["attrs"]:
+        if not isinstance(act, nla) or act.get_attr("TCA_ACT_KIND") != "mirred":
+            continue
+        opts = act.get_attr("TCA_ACT_OPTIONS")
+        parms = opts.get_attr("TCA_MIRRED_PARMS") if opts is not None else None
+        if parms:
+            return _MIRRED.unpack_from(parms)[6]
+    return 0
+
+
+def _ext_ack(body: bytes, flags: int) -> str:
+    """The kernel's own words from an extended ack (NLMSGERR_ATTR_MSG), if it sent any."""
+    if len(body) < 20 or not flags & 0x200:          # NLM_F_ACK_TLVS
+        return ""
+    orig_len = struct.unpack_from("=I", body, 4)[0]
+    off = 4 + (16 if flags & 0x100 else (orig_len + 3) & ~3)   # NLM_F_CAPPED
+    while off + 4 <= len(body):
+        length, atype = struct.unpack_from("=HH", body, off)
+        if length < 4:
+            break
+        if atype == NLMSGERR_ATTR_MSG:
+            return body[off + 4:off + length].rstrip(b"\0").decode("utf-8", "replace")
+        off += (length + 3) & ~3
+    return ""
+
+
+def _tc_error(code: int, kernel: str, what: str, kind: str, msg_type: int) -> ShapingError:
+    detail = f"{os.strerror(code)}" + (f" ({kernel})" if kernel else "")
+    if code in (errno.EPERM, errno.EACCES):
+        return ShapingError(f"{what}: permission denied. {NET_ADMIN_HINT}")
+    if code == errno.ENOENT and msg_type == RTM_NEWQDISC and kind and "unknown" in kernel.lower():
+        module = {"htb": "sch_htb", "ingress": "sch_ingress"}.get(kind, f"sch_{kind}")
+        return ShapingError(f"{what}: this kernel has no {kind} qdisc (load it: modprobe "
+                            f"{module}); {detail}")
+    if code == errno.ENOENT and msg_type == RTM_NEWTFILTER and "unknown" in kernel.lower():
+        return ShapingError(f"{what}: this kernel lacks the u32 classifier or the mirred action "
+                            f"(modprobe cls_u32 act_mirred); {detail}")
+    return ShapingError(f"{what}: {detail}")

@@ -1,0 +1,104 @@
+"""Benchmark 2: CPU seconds per GB of an unshaped pull, verification included.
+
+wagent pull (every piece's sha256 checked as it arrives) against the sum of ``aria2c -j8`` (which
+verifies nothing) and ``openssl sha256`` over the same files, everything on tmpfs, nginx on
+loopback. CPU is user + system of the client processes (getrusage of children).
+
+    python tests/bench/cpu.py [--size 2GiB] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from agent.units import parse_size  # noqa: E402
+from tests import modelgen  # noqa: E402
+from tests.pull_helpers import LoopbackNginx, publish_dir  # noqa: E402
+
+
+def child_cpu(cmd: list[str]) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one command."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.monotonic() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
+
+
+def files_of(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name != "manifest.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", default="2GiB")
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="256MiB, for a smoke run")
+    args = ap.parse_args(argv)
+    size = parse_size("256MiB" if args.quick else args.size)
+    work = Path(tempfile.mkdtemp(prefix="wagent-bench-cpu-", dir="/dev/shm"))
+    try:
+        version = work / "origin" / "m" / "v1"
+        modelgen.generate_sized(version, size, shards=args.shards)
+        publish_dir(version)
+        files = files_of(version)
+        total = sum(f.stat().st_size for f in files)
+        gb = total / 1e9
+        rows = []
+        with LoopbackNginx(work / "origin") as ng:
+            for run in range(args.runs):
+                for label, extra in (("wagent pull (pieces verified)", []),
+                                     ("wagent pull --verify-files", ["--verify-files"])):
+                    store = work / f"store{run}"
+                    cpu, wall = child_cpu([
+                        sys.executable, "-m", "agent", "pull", f"{ng.url}/m/v1", "--store",
+                        str(store), "--streams", str(args.streams), "--quiet", *extra])
+                    rows.append((label, cpu, wall))
+                    shutil.rmtree(store)
+                out = work / "aria2"
+                out.mkdir()
+                urls = work / "urls.txt"
+                urls.write_text("".join(f"{ng.url}/m/v1/{f.name}\n  out={f.name}\n"
+                                        for f in files))
+                cpu_a, wall_a = child_cpu([
+                    "aria2c", "-q", "-j", str(args.streams), "-x1", "-s1", "-d", str(out),
+                    "-i", str(urls), "--allow-overwrite=true", "--auto-file-renaming=false",
+                    "--file-allocation=falloc"])
+                cpu_o, wall_o = child_cpu(["openssl", "sha256", *[str(out / f.name)
+                                                                  for f in files]])
+                rows.append(("aria2c -j8", cpu_a, wall_a))
+                rows.append(("openssl sha256", cpu_o, wall_o))
+                rows.append(("aria2c -j8 + openssl sha256", cpu_a + cpu_o, wall_a + wall_o))
+                shutil.rmtree(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peer = {}
+    for label, cpu, _ in rows:
+        peer.setdefault(label, []).append(cpu)
+    ref = min(peer["aria2c -j8 + openssl sha256"]) / gb
+    print(f"CPU per GB, {total / 2**20:.0f} MiB in {len(files)} files, {args.streams} streams, "
+          "tmpfs, nginx on loopback")
+    print(f"{'client':34} {'CPU s/GB':>9} {'wall s':>7} {'vs peer':>8}")
+    for label, cpu, wall in rows:
+        print(f"{label:34} {cpu / gb:9.3f} {wall:7.2f} {cpu / gb / ref:7.2f}x")
+    best = min(peer["wagent pull (pieces verified)"]) / gb
+    print(f"result: wagent {best:.3f} CPU s/GB = {best / ref:.2f}x (aria2c -j8 + openssl sha256); "
+          "target <= 1.3x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

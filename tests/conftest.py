@@ -1,0 +1,49 @@
+"""Shared pytest wiring: the `testbed` fixture and the netns skip rule.
+
+Tests marked `netns` need root (network namespaces). Without it they skip and say why, except when
+CI=true: there a skipped netns test would hide a broken pipeline, so it fails instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from tests.testbed import Testbed
+
+NETNS_TOOLS = ("ip", "tc")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def netns_unavailable() -> str | None:
+    """Why netns tests can't run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (run the tests as root)"
+    missing = [tool for tool in NETNS_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (apt-get install iproute2)"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("netns") is None:
+        return
+    reason = netns_unavailable()
+    if reason is None:
+        return
+    if _in_ci():
+        pytest.fail(f"CI=true and a netns test can't run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def testbed() -> Iterator[Testbed]:
+    """A fresh Testbed per test; everything it made is gone after the test, pass or fail."""
+    with Testbed() as tb:
+        yield tb

@@ -1,0 +1,60 @@
+"""The control socket as deployed: mode 0660, and commands that change anything (reload, pause,
+resume) only for root or the service's user, checked with SO_PEERCRED."""
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.integration.daemon_helpers import (
+    start_daemon,
+    stop_daemon,
+    wagent,
+    wait_for_socket,
+    write_policy,
+)
+
+pytestmark = [pytest.mark.netns, pytest.mark.debian]   # root: to run the client as nobody
+
+
+@pytest.fixture
+def daemon_dir():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    d = Path(tempfile.mkdtemp(prefix="wagent-ctl-"))
+    d.chmod(0o755)   # nobody must be able to reach the socket to be refused by the daemon
+    policy = write_policy(d / "policy.yaml", d)
+    proc = start_daemon(policy, log=d / "daemon.log")
+    try:
+        wait_for_socket(d / "control.sock", proc)
+        yield d
+    finally:
+        stop_daemon(proc)
+        print((d / "daemon.log").read_text())
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_socket_mode_and_nobody_cannot_connect(daemon_dir):
+    sock = daemon_dir / "control.sock"
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
+    r = wagent("reload", "--socket", str(sock), user="nobody", group="nogroup")
+    assert r.returncode == 1
+    assert "permission denied" in r.stderr
+
+
+def test_peercred_refuses_reload_from_nobody_but_serves_status(daemon_dir):
+    sock = daemon_dir / "control.sock"
+    sock.chmod(0o666)   # an operator widened the mode: the SO_PEERCRED check still holds
+    r = wagent("reload", "--socket", str(sock), user="nobody", group="nogroup")
+    assert r.returncode == 1, r
+    assert "refused" in r.stderr and "uid 65534" in r.stderr
+    r = wagent("status", "--socket", str(sock), user="nobody", group="nogroup")
+    assert r.returncode == 0, r
+    assert "healthy" in r.stdout
+    # root may
+    r = wagent("reload", "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    assert "uid 65534" in (daemon_dir / "daemon.log").read_text()

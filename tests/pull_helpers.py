@@ -1,0 +1,275 @@
+"""Real servers for pull tests on loopback: nginx, and a small HTTP server with chosen faults.
+
+The faulty server is a real HTTP/1.1 server (http.server) that serves byte ranges of files under a
+root, and misbehaves on purpose for requests matching ``fault_on``: more or fewer bytes than asked,
+a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from agent import manifest
+
+NGINX_CONF = """\
+daemon off;
+master_process off;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    default_type application/octet-stream;
+    log_format bytes '$request_uri $status $body_bytes_sent $connection';
+    access_log {dir}/access.log bytes;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    sendfile on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        etag on;
+        disable_symlinks off;
+        {extra}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackNginx:
+    """nginx serving ``root`` on 127.0.0.1 (started and stopped by this object)."""
+
+    def __init__(self, root: Path, limit_rate: str | None = None) -> None:
+        self.root = Path(root)
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="wagent-nginx-"))
+        extra = f"limit_rate {limit_rate};" if limit_rate else ""
+        (self.dir / "nginx.conf").write_text(NGINX_CONF.format(
+            dir=self.dir, port=self.port, root=self.root.resolve(), extra=extra))
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        if user:
+            conf = self.dir / "nginx.conf"
+            conf.write_text(user + conf.read_text())
+        self.proc = subprocess.Popen(["nginx", "-c", str(self.dir / "nginx.conf"),
+                                      "-p", str(self.dir), "-e", str(self.dir / "error.log")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError("nginx did not start: "
+                                       + (self.dir / "error.log").read_text()) from None
+                time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def bytes_sent(self, prefix: str = "") -> int:
+        total = 0
+        log = self.dir / "access.log"
+        if log.exists():
+            for line in log.read_text().splitlines():
+                uri, _, sent, _ = line.split(" ")
+                if uri.startswith(prefix):
+                    total += int(sent)
+        return total
+
+    def connections(self) -> int:
+        """How many TCP connections served the requests logged so far."""
+        log = self.dir / "access.log"
+        return len({line.split(" ")[3] for line in log.read_text().splitlines()}) \
+            if log.exists() else 0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LoopbackNginx:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
+          "error_500")
+
+
+class FaultyServer:
+    """A ranged file server on 127.0.0.1; ``fault`` applies to requests whose path matches
+    ``fault_on`` (a regex) after the first ``after`` of them, ``times`` times (None: always).
+    ``auth``: the Authorization header every request must carry (else 401)."""
+
+    def __init__(self, root: Path, fault: str | None = None, fault_on: str = r"\.safetensors$",
+                 times: int | None = None, after: int = 0, auth: str | None = None) -> None:
+        assert fault is None or fault in FAULTS
+        self.root = Path(root)
+        self.fault = fault
+        self.fault_on = re.compile(fault_on)
+        self.times = times
+        self.faults_done = 0
+        self.after = after
+        self.matched = 0
+        self.auth = auth
+        self.requests: list[tuple[str, str | None, int]] = []   # (path, Range, status)
+        self.lock = threading.Lock()
+        self.etag_generation = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer._serve(self)
+
+            def finish(self) -> None:
+                try:
+                    super().finish()
+                except OSError:
+                    pass                    # the client went away first: that's its right
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def _take_fault(self, path: str) -> str | None:
+        with self.lock:
+            if not (self.fault and self.fault_on.search(path)):
+                return None
+            self.matched += 1
+            if self.matched > self.after and (self.times is None or self.faults_done < self.times):
+                self.faults_done += 1
+                return self.fault
+        return None
+
+    def _serve(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        path = h.path.split("?")[0]
+        file = (self.root / path.lstrip("/")).resolve()
+        rng = h.headers.get("Range")
+        if self.auth is not None and h.headers.get("Authorization") != self.auth:
+            self._send(h, path, rng, 401, b"who are you?")
+            return
+        if not file.is_file() or not str(file).startswith(str(self.root.resolve())):
+            self._send(h, path, rng, 404, b"not found")
+            return
+        data = file.read_bytes()
+        etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'
+        fault = self._take_fault(path) if rng else None
+        if fault == "etag_change":
+            self.etag_generation += 1
+            etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'
+            fault = None
+        if_range = h.headers.get("If-Range")
+        m = re.match(r"bytes=(\d+)-(\d+)$", rng or "")
+        if fault == "error_500":
+            self._send(h, path, rng, 500, b"boom")
+            return
+        if not m or fault == "full_200" or (if_range is not None and if_range != etag):
+            self._send(h, path, rng, 200, data, {"ETag": etag})
+            return
+        start, end = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
+        body = data[start:end + 1]
+        cr = f"bytes {start}-{end}/{len(data)}"
+        if fault in ("more", "more_unframed"):
+            body = body + data[end + 1:end + 1 + 4096] + b"x" * 4096
+        elif fault == "fewer":
+            body = body[:-100]
+        elif fault == "bad_range":
+            cr = f"bytes {start + 1}-{end + 1}/{len(data)}"
+        elif fault == "corrupt":
+            body = bytes([body[0] ^ 0xFF]) + body[1:]
+        headers = {"ETag": etag, "Content-Range": cr}
+        if fault == "fewer":
+            # Claim the full length, send less, then close: a truncated body.
+            self._send(h, path, rng, 206, body, headers, length=end + 1 - start, close=True)
+        elif fault == "more_unframed":
+            # No Content-Length: the body runs until the connection closes.
+            self._send(h, path, rng, 206, body, headers, length=None, close=True)
+        else:
+            self._send(h, path, rng, 206, body, headers)
+
+    def _send(self, h: http.server.BaseHTTPRequestHandler, path: str, rng: str | None,
+              status: int, body: bytes, headers: dict[str, str] | None = None,
+              length: int | None | bool = True, close: bool = False) -> None:
+        with self.lock:
+            self.requests.append((path, rng, status))
+        h.send_response(status)
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        if length is True:
+            h.send_header("Content-Length", str(len(body)))
+        elif length is not None:
+            h.send_header("Content-Length", str(length))
+        if close:
+            h.send_header("Connection", "close")
+            h.close_connection = True
+        h.end_headers()
+        try:
+            h.wfile.write(body)
+            h.wfile.flush()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> FaultyServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def publish(origin: Path, model: str, version: str, piece_size: int | None = None,
+            **gen: object) -> Path:
+    """Generate a model at ``origin/model/version`` (tests.modelgen), then publish it."""
+    from tests import modelgen
+    d = origin / model / version
+    modelgen.generate(d, **gen)
+    return publish_dir(d, piece_size)
+
+
+def publish_dir(d: Path, piece_size: int | None = None) -> Path:
+    """Build ``d/manifest.json`` and name ``d`` in ``{model}/latest``, as a publisher does."""
+    manifest.write(d, manifest.build(d, piece_size=piece_size or manifest.DEFAULT_PIECE_SIZE))
+    (d.parent / "latest").write_text(d.name + "\n")
+    return d

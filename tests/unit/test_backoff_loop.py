@@ -1,0 +1,232 @@
+import threading
+
+from agent.policy_model import Backoff, Policy, Shaping
+from agent.ratelimit import TokenBucket
+from shaping.backoff import BackoffLoop, BucketRate, cap_for, distribution_bytes, start_for_pull
+from shaping.controller import Controller
+from shaping.detect import Detectors
+from shaping.detect.link import LinkDetector
+from shaping.detect.ports import ESTABLISHED, PortsDetector
+from tests.backoff_helpers import set_netdev, tcp_line, write_tcp
+
+M = 10**6
+G = 10**9
+POLICY = Backoff(tick=0.1, floor=10 * M, increase=300 * M, quiet=0.5, nccl_processes=False)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class Sink:
+    def __init__(self, fail=0):
+        self.calls = []
+        self.fail = fail
+
+    def __call__(self, bps):
+        if self.fail:
+            self.fail -= 1
+            raise OSError("Operation not permitted")
+        self.calls.append(bps)
+
+
+def node(tmp_path):
+    write_tcp(tmp_path, [], [])
+    set_netdev(tmp_path, "eth0", 0, 0)
+    return Detectors(link=LinkDetector(tmp_path, ("eth0",)),
+                     ports=PortsDetector(POLICY.training_ports, tmp_path))
+
+
+def training(tmp_path, on):
+    lines = [tcp_line(0, "0200000A:D000", "0100000A:733C", ESTABLISHED)] if on else []
+    write_tcp(tmp_path, lines, [])
+
+
+def test_both_sides_get_the_same_rate_at_the_same_tick(tmp_path):
+    clock, ceil, pull = Clock(), Sink(), Sink()
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_kernel_ceil=ceil,
+                       set_pull_rate=pull, distribution=lambda: {"eth0": (0, 0)}, tick=0.1,
+                       clock=clock)
+    assert loop.tick().rate_bps == G
+    assert ceil.calls == pull.calls == [G]
+    training(tmp_path, True)
+    clock.t = 0.1
+    d = loop.tick()
+    assert d.state == "backed_off" and ceil.calls == pull.calls == [G, 10 * M]
+    clock.t = 0.2
+    loop.tick()
+    assert ceil.calls == [G, 10 * M]                      # unchanged: not sent again
+    assert loop.events == 1
+    assert loop.status()["training_connections"] == 1
+    assert loop.status()["reason"].startswith("training connection on port 29500 (10.0.0.1")
+
+
+def test_failed_side_is_retried_and_the_other_still_moves(tmp_path):
+    clock, ceil, pull = Clock(), Sink(fail=2), Sink()
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_kernel_ceil=ceil,
+                       set_pull_rate=pull, clock=clock)
+    loop.tick()
+    assert pull.calls == [G] and ceil.calls == [] and loop.apply_errors == 1
+    assert "setting kernel ceil to 1 Gbit/s: Operation not permitted" in loop.last_error
+    clock.t = 1.0
+    loop.tick()
+    clock.t = 2.0
+    loop.tick()
+    assert ceil.calls == [G] and pull.calls == [G] and loop.apply_errors == 2
+
+
+def test_other_traffic_on_the_link_counts_net_of_distribution(tmp_path):
+    clock, pull = Clock(), Sink()
+    dist = {"eth0": (0, 0)}
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_pull_rate=pull,
+                       distribution=lambda: dist, clock=clock)
+    loop.tick()
+    # 1 s later: 120 MB in, all of it the distribution's: nothing else on the link.
+    set_netdev(tmp_path, "eth0", 120 * M, 0)
+    dist = {"eth0": (120 * M, 0)}
+    clock.t = 1.0
+    assert loop.tick().state == "full"
+    set_netdev(tmp_path, "eth0", 240 * M, 0)
+    dist = {"eth0": (140 * M, 0)}
+    clock.t = 2.0
+    d = loop.tick()
+    assert d.state == "backed_off" and d.reason == "other traffic 800 Mbit/s on eth0"
+
+
+def test_a_failing_detector_or_counter_does_not_stop_the_loop(tmp_path):
+    class Broken:
+        def sample(self, now):
+            raise RuntimeError("boom")
+
+    clock = Clock()
+    dets = Detectors(rdma=Broken(), ports=PortsDetector(POLICY.training_ports, tmp_path))
+
+    def no_stats():
+        raise OSError("no such device")
+
+    loop = BackoffLoop(Controller(POLICY, G), dets, distribution=no_stats, clock=clock)
+    training(tmp_path, True)
+    assert loop.tick().state == "backed_off"
+    assert loop.readings.errors == ("rdma detector: boom",)
+
+
+def test_run_keeps_a_tick_grid_and_stops(tmp_path):
+    clock = Clock()
+    seen = []
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), tick=0.1, clock=clock)
+
+    def sleep(s):
+        seen.append(round(clock.t, 3))
+        clock.t += s + 0.01 if len(seen) == 2 else s   # one late wake-up
+        if len(seen) == 6:
+            loop._stop.set()
+
+    loop._sleep = sleep
+    loop.run()
+    assert seen == [0.0, 0.1, 0.21, 0.3, 0.4, 0.5]
+    assert loop.ticks == 6
+
+
+def test_thread_start_stop_backs_off_and_ramps(tmp_path):
+    ceil, pull = Sink(), Sink()
+    loop = BackoffLoop(Controller(Backoff(tick=0.1, floor=10 * M, increase=500 * M, quiet=0.2,
+                                          nccl_processes=False), G),
+                       node(tmp_path), set_kernel_ceil=ceil, set_pull_rate=pull, tick=0.1)
+    backed_off, full = threading.Event(), threading.Event()
+    loop.start()
+    try:
+        training(tmp_path, True)
+        for _ in range(50):
+            if loop.decision and loop.decision.state == "backed_off":
+                backed_off.set()
+                break
+            threading.Event().wait(0.02)
+        training(tmp_path, False)
+        for _ in range(100):
+            if loop.decision and loop.decision.state == "full" and pull.calls[-1] == G:
+                full.set()
+                break
+            threading.Event().wait(0.02)
+    finally:
+        loop.stop()
+    assert backed_off.is_set() and full.is_set()
+    assert 10 * M in pull.calls and ceil.calls == pull.calls
+
+
+class Bucket(TokenBucket):
+    def __init__(self, bits_per_s=None):
+        super().__init__(bits_per_s)
+        self.rates = []
+
+    def set_rate(self, bits_per_s):
+        self.rates.append(bits_per_s)
+        super().set_rate(bits_per_s)
+
+
+class Shaper:
+    def __init__(self):
+        self.ceils = []
+
+    def set_ceil(self, bps):
+        self.ceils.append(bps)
+
+
+def test_start_for_pull(tmp_path):
+    write_tcp(tmp_path, [], [])
+    policy = Policy(backoff=Backoff(tick=0.1, roots=(("root", str(tmp_path)),)),
+                    shaping=Shaping(ceil=800 * M))
+    bucket = Bucket()
+    loop = start_for_pull(policy, bucket, None)
+    try:
+        assert loop is not None and loop.controller.cap == 800 * M
+        assert loop.detectors.link is None                  # nothing to subtract: off
+        for _ in range(50):
+            if bucket.rates:
+                break
+            threading.Event().wait(0.02)
+        assert bucket.rates[0] == 800 * M
+    finally:
+        loop.stop()
+    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), bucket, None) is None
+
+
+def test_cap_for():
+    p = Policy(shaping=Shaping(ceil=500 * M))
+    assert cap_for(p) == 500 * M
+    assert cap_for(p, rate=100 * M) == 100 * M
+    assert cap_for(Policy(backoff=Backoff(cap=G), shaping=Shaping(ceil=500 * M))) == G
+
+
+def test_bucket_moved_behind_the_loops_back_is_set_again(tmp_path):
+    clock = Clock()
+    bucket = Bucket()
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_pull_rate=BucketRate(bucket),
+                       clock=clock)
+    loop.tick()
+    bucket.set_rate(300 * M)          # e.g. a static --rate applied after the loop started
+    clock.t = 0.1
+    loop.tick()
+    assert bucket.rates == [G, 300 * M, G] and bucket.rate == G
+
+
+class Stat:
+    def __init__(self, device, name, nbytes, packets=1, backlog=0, drops=0):
+        self.device, self.name, self.bytes = device, name, nbytes
+        self.packets, self.backlog, self.drops = packets, backlog, drops
+
+
+def test_distribution_bytes_from_shaper_stats():
+    stats = [Stat("wg-eth0", "distribution", 1000), Stat("wg-eth0", "default", 5),
+             Stat("eth0", "distribution", 70), Stat("eth1", "distribution", 9),
+             Stat("eth0", "root", 99)]
+    assert distribution_bytes(stats, ["eth0", "eth1"]) == {"eth0": (1000, 70), "eth1": (0, 9)}
+    # Queued and dropped bytes arrived too (drops are packets: times the mean packet size).
+    queued = [Stat("wg-eth0", "distribution", 150_000, packets=100, backlog=30_000, drops=4)]
+    assert distribution_bytes(queued, ["eth0"]) == {"eth0": (150_000 + 30_000 + 6000, 0)}

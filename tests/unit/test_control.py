@@ -1,0 +1,159 @@
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from agent.control import (
+    ControlError,
+    ControlServer,
+    NotRunning,
+    Peer,
+    ProtocolError,
+    Request,
+    authorized,
+    call,
+    dispatch,
+    parse_request,
+)
+
+
+class FakeController:
+    def __init__(self):
+        self.reloads = 0
+
+    def status(self):
+        return {"schema": 1}
+
+    def reload(self):
+        self.reloads += 1
+        return {"reloaded": True}
+
+    def pause(self):
+        raise ControlError("nothing to pause", "state")
+
+    def resume(self):
+        raise RuntimeError("boom")
+
+
+def test_parse_request():
+    assert parse_request(b'{"cmd": "status"}') == Request("status", {})
+    for bad in (b"nope", b"[]", b'{"cmd": 1}', b'{"cmd": "rm -rf"}', b'{"cmd": "status", '
+                b'"args": 3}', b"\xff"):
+        with pytest.raises(ProtocolError):
+            parse_request(bad)
+
+
+def test_authorized():
+    assert authorized("status", 65534, [1000])
+    assert authorized("reload", 0, [1000])
+    assert authorized("reload", 1000, [1000])
+    assert not authorized("reload", 65534, [1000])
+    assert not authorized("pause", 65534, [1000])
+    assert not authorized("resume", 65534, [])
+
+
+def test_dispatch_maps_errors_to_replies():
+    c = FakeController()
+    nobody = Peer(1, 65534, 65534)
+    assert dispatch(c, Request("status", {}), nobody, [0]) == {"ok": True,
+                                                               "result": {"schema": 1}}
+    r = dispatch(c, Request("reload", {}), nobody, [0])
+    assert r["kind"] == "forbidden" and "uid 65534" in r["error"] and c.reloads == 0
+    assert dispatch(c, Request("pause", {}), Peer(1, 0, 0), [])["kind"] == "state"
+    assert dispatch(c, Request("resume", {}), Peer(1, 0, 0), [])["kind"] == "internal"
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = str(tmp_path / "run" / "control.sock")
+    c = FakeController()
+    srv = ControlServer(path, c, group=None, read_timeout=0.5, max_clients=2)
+    srv.start()
+    yield srv, c
+    srv.stop()
+
+
+def test_socket_round_trip_and_mode(server):
+    srv, c = server
+    assert oct(os.stat(srv.path).st_mode & 0o777) == "0o660"
+    assert call(srv.path, "status") == {"schema": 1}
+    assert call(srv.path, "reload") == {"reloaded": True} and c.reloads == 1
+    with pytest.raises(ControlError, match="nothing to pause"):
+        call(srv.path, "pause")
+
+
+def test_not_running(tmp_path):
+    with pytest.raises(NotRunning):
+        call(str(tmp_path / "none.sock"), "status")
+    # a stale socket file from a killed daemon: nobody listening
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()
+    with pytest.raises(NotRunning):
+        call(str(stale), "status")
+
+
+def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path, server):
+    srv, _ = server
+    with pytest.raises(ControlError, match="already listening"):
+        ControlServer(srv.path, FakeController(), group=None).start()
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()
+    other = ControlServer(str(stale), FakeController(), group=None)
+    other.start()
+    try:
+        assert call(str(stale), "ping") == {"pong": True}
+    finally:
+        other.stop()
+
+
+def test_slow_and_oversized_clients_dont_stall(server):
+    srv, _ = server
+    slow = []
+    for _ in range(2):  # fill every slot with clients that never finish a line
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(srv.path)
+        s.sendall(b'{"cmd": ')
+        slow.append(s)
+    time.sleep(0.05)
+    # while the slots are full, a new client is told "busy" at once, not made to wait
+    with pytest.raises(ControlError, match="busy"):
+        call(srv.path, "status", timeout=2)
+    time.sleep(0.6)  # the read deadline drops the slow ones
+    assert call(srv.path, "status") == {"schema": 1}
+    for s in slow:
+        s.close()
+    big = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    big.connect(srv.path)
+    try:
+        big.sendall(b"x" * (70 * 1024))
+    except OSError:
+        pass
+    reply = json.loads(big.makefile("rb").readline())
+    assert reply["kind"] == "protocol"
+    big.close()
+
+
+def test_concurrent_status_calls(server):
+    srv, _ = server
+    errors = []
+
+    def one():
+        try:
+            call(srv.path, "status")
+        except ControlError as e:
+            if e.kind != "busy":
+                errors.append(e)
+
+    ts = [threading.Thread(target=one) for _ in range(10)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors

@@ -1,0 +1,40 @@
+from agent.notify import Notifier, WatchdogGate, watchdog_interval
+
+
+def test_watchdog_interval_is_half_of_usec():
+    assert watchdog_interval({"WATCHDOG_USEC": "4000000"}, 10) == 2.0
+    assert watchdog_interval({}, 10) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "0"}, 10) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "11"}, 10) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "10"}, 10) == 2.0
+
+
+def test_gate_pings_on_interval_only_while_workers_live():
+    g = WatchdogGate(2.0)
+    assert g.next_in(0.0) == 0.0
+    assert g.due(0.0, True)
+    assert not g.due(1.0, True)
+    assert g.next_in(1.0) == 1.0
+    assert g.due(2.0, True)
+    assert not g.due(5.0, False)  # a dead worker: no ping, systemd restarts us
+    assert not WatchdogGate(None).due(0.0, True)
+
+
+def test_sequence_and_status_dedup():
+    sent = []
+    n = Notifier(sent.append, monotonic=lambda: 12.5)
+    n.status("starting")
+    n.ready()
+    n.status("idle")
+    n.status("idle")
+    n.watchdog()
+    n.reloading()
+    n.ready()
+    n.stopping()
+    assert sent == ["STATUS=starting", "READY=1", "STATUS=idle", "WATCHDOG=1",
+                    "RELOADING=1\nMONOTONIC_USEC=12500000", "READY=1", "STOPPING=1"]
+
+
+def test_without_notify_socket_is_silent(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    Notifier().ready()  # no systemd: nothing to send, nothing raised

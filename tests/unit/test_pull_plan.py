@@ -1,0 +1,56 @@
+from agent.manifest import FileEntry, Manifest, Piece
+from agent.pull.plan import plan, requests_for
+
+
+def sha(c):
+    return c * 64
+
+
+def f(path, fsha, *pieces):
+    out, off = [], 0
+    for size, psha in pieces:
+        out.append(Piece(off, size, psha))
+        off += size
+    return FileEntry(path, off, fsha, tuple(out))
+
+
+M = Manifest("m", "v2", "2026-12-02T11:00:00Z", (
+    f("a.safetensors", sha("1"), (10, sha("a")), (20, sha("b")), (30, sha("c")), (40, sha("d"))),
+    f("same.bin", sha("2"), (5, sha("e"))),
+    f("copy-of-same.bin", sha("2"), (5, sha("e"))),
+    f("config.json", sha("3"), (7, sha("f"))),
+))
+
+
+def test_present_files_cost_nothing_and_duplicates_fetch_once():
+    p = plan(M, blobs={sha("3")}, piece_index={}, journals={})
+    assert p.present == (sha("3"),)
+    assert [fp.paths for fp in p.files] == [("a.safetensors",), ("same.bin", "copy-of-same.bin")]
+    assert p.bytes_total == 100 + 5 + 7
+    assert p.bytes_fetch == 105
+
+
+def test_local_pieces_are_copied_and_journaled_ones_kept():
+    index = {sha("b"): (sha("9"), 1000), sha("e"): (sha("8"), 0)}
+    journals = {sha("1"): {0: (10, sha("a")), 60: (40, sha("0"))}}     # second: stale hash
+    p = plan(M, blobs=set(), piece_index=index, journals=journals)
+    a = p.files[0]
+    assert [x.offset for x in a.done] == [0]
+    assert [(c.piece.offset, c.blob, c.blob_offset) for c in a.copies] == [(10, sha("9"), 1000)]
+    assert [x.offset for x in a.fetch] == [30, 60]
+    assert p.bytes_copy == 25 and p.bytes_done == 10 and p.bytes_fetch == 70 + 7
+
+
+def test_a_piece_of_the_file_itself_is_not_a_copy_source():
+    index = {sha("a"): (sha("1"), 0)}
+    p = plan(M, blobs=set(), piece_index=index, journals={})
+    assert p.files[0].copies == ()
+
+
+def test_requests_batch_consecutive_pieces_up_to_size():
+    p = plan(M, blobs=set(), piece_index={sha("b"): (sha("9"), 0)}, journals={})
+    reqs = requests_for(p, request_size=75)
+    assert [(r.sha256[0], r.offset, r.size) for r in reqs] == [
+        ("1", 0, 10), ("1", 30, 70), ("2", 0, 5), ("3", 0, 7)]
+    reqs = requests_for(p, request_size=50)
+    assert [(r.offset, r.size) for r in reqs][:3] == [(0, 10), (30, 30), (60, 40)]

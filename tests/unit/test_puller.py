@@ -1,0 +1,145 @@
+"""The daemon's pull worker, driven step by step with fake functions (no HTTP, no store)."""
+
+import threading
+
+from agent.policy_model import Model, Policy
+from agent.puller import Progress, Puller, PullerDeps, Window
+
+
+class World:
+    def __init__(self):
+        self.now = 1000.0
+        self.latest = "v1"
+        self.installed = set()
+        self.window_open = True
+        self.pulled = []
+        self.evictions = 0
+        self.fail = None
+        self.block = None          # an Event the fake pull waits on (a pull in progress)
+
+    def deps(self):
+        def pull(model, version, progress, stop):
+            progress(Progress(done=50, total=100, streams=4, fetched=50, rate_bps=8e6))
+            if self.block is not None:
+                while not stop.is_set() and not self.block.is_set():
+                    stop.wait(0.01)
+                if stop.is_set():
+                    raise RuntimeError("stopped")
+            if self.fail:
+                raise RuntimeError(self.fail)
+            progress(Progress(done=100, total=100, streams=0, fetched=100))
+            self.installed.add((model.name, version))
+            self.pulled.append((model.name, version))
+
+        def schedule(model, version, published, now):
+            slot = published + 60.0
+            return slot, max(slot, now) if self.window_open else None
+
+        return PullerDeps(
+            clock=lambda: self.now,
+            resolve=lambda m: self.latest,
+            published=lambda m, v: 1000.0,
+            schedule=schedule,
+            window=lambda now: Window(self.window_open,
+                                      next_open=None if self.window_open else now + 3600),
+            have=lambda m, v: (m.name, v) in self.installed,
+            local_version=lambda m: None,
+            pull=pull,
+            evict=lambda: setattr(self, "evictions", self.evictions + 1),
+        )
+
+
+def policy(*models):
+    return Policy(models=tuple(models), poll_interval=300.0)
+
+
+def test_waits_for_slot_then_pulls_and_evicts():
+    w = World()
+    p = Puller(policy(Model("llama")), w.deps())
+    assert p._pass() == 60.0
+    (info,) = p.snapshot()
+    assert (info.state, info.version, info.slot_at) == ("waiting_slot", "v1", 1060.0)
+    w.now = 1060.0
+    p._pass()
+    assert w.pulled == [("llama", "v1")] and w.evictions == 1
+    (info,) = p.snapshot()
+    assert info.state == "done" and info.bytes_done == 100
+    assert p.fetched_totals() == {"llama": 100}
+    # a new latest is noticed at the next poll, not before
+    w.latest = "v2"
+    w.now += 10
+    p._pass()
+    assert p.snapshot()[0].version == "v1"
+    w.now += 400
+    p._pass()
+    assert w.pulled[-1] == ("llama", "v2")
+
+
+def test_failure_is_reported_and_retried_later():
+    w = World()
+    w.now = 2000.0
+    w.fail = "origin said 503"
+    p = Puller(policy(Model("llama", version="v9")), w.deps())
+    wait = p._pass()
+    (info,) = p.snapshot()
+    assert info.state == "failed" and "503" in info.error
+    assert wait == 10.0
+    w.fail = None
+    w.now += 5
+    p._pass()
+    assert w.pulled == []            # not before its retry time
+    w.now += 6
+    p._pass()
+    assert w.pulled == [("llama", "v9")]
+    assert p.snapshot()[0].error is None
+
+
+def test_closed_window_waits_and_pause_holds():
+    w = World()
+    w.now = 5000.0
+    w.window_open = False
+    p = Puller(policy(Model("llama")), w.deps())
+    p._pass()
+    assert p.snapshot()[0].state == "waiting_window"
+    w.window_open = True
+    p.pause()
+    p._pass()
+    assert p.snapshot()[0].state == "paused" and w.pulled == []
+    p.resume()
+    p._pass()
+    assert w.pulled == [("llama", "v1")]
+
+
+def test_supervise_stops_a_running_pull_when_the_window_closes():
+    w = World()
+    w.now = 5000.0
+    w.block = threading.Event()
+    p = Puller(policy(Model("llama")), w.deps())
+    p.start()
+    try:
+        for _ in range(200):
+            if p.snapshot()[0].state == "pulling":
+                break
+            threading.Event().wait(0.01)
+        info = p.snapshot()[0]
+        assert info.state == "pulling" and info.streams == 4 and info.rate_bps == 8e6
+        w.window_open = False
+        p.supervise()
+        for _ in range(200):
+            if p.snapshot()[0].state != "pulling":
+                break
+            threading.Event().wait(0.01)
+        assert p.snapshot()[0].state in ("idle", "waiting_window")
+        assert w.pulled == []
+    finally:
+        p.stop(2.0)
+    assert not p.alive()
+
+
+def test_reload_sweeps_models_no_longer_declared():
+    w = World()
+    p = Puller(policy(Model("a"), Model("b")), w.deps())
+    p._pass()
+    assert [i.model for i in p.snapshot()] == ["a", "b"]
+    p.update(policy(Model("b"), Model("c")))
+    assert [i.model for i in p.snapshot()] == ["b", "c"]

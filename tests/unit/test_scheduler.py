@@ -1,0 +1,129 @@
+"""The APScheduler glue: late jobs still run (misfire), window openings re-arm, UTC throughout.
+
+Runs with the venv's newest APScheduler 3.x and with Debian 12's 3.9.1:
+    PYTHONPATH=. /usr/bin/python3 -m pytest -p no:cacheprovider tests/unit/test_scheduler.py
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from agent.policy_model import Window
+from agent.scheduler import Scheduler
+
+
+@pytest.fixture
+def make_scheduler():
+    made = []
+
+    def make(**kw) -> Scheduler:
+        s = Scheduler(**kw)
+        s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.shutdown(wait=False)
+
+
+def wait_for(predicate, timeout: float = 3.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def busy_then_late(s: Scheduler) -> list[float]:
+    """One worker held for 0.3 s; behind it a job that was already 0.9 s due. The worker picks
+    it up about 1.2 s late: past APScheduler's default grace of 1 s."""
+    ran: list[float] = []
+    started = threading.Event()
+
+    def busy() -> None:
+        started.set()
+        time.sleep(0.3)
+
+    s.at(time.time(), busy, job_id="busy")
+    assert started.wait(2)
+    s.at(time.time() - 0.9, lambda: ran.append(time.time()), job_id="late")
+    s.at(time.time() + 0.01, lambda: ran.append(0.0), job_id="marker")
+    wait_for(lambda: 0.0 in ran)
+    return ran
+
+
+def test_job_runs_when_the_worker_was_busy_past_its_time(make_scheduler):
+    ran = busy_then_late(make_scheduler(workers=1))
+    assert len(ran) == 2                    # the late job ran, then the marker
+
+
+def test_control_the_default_grace_would_drop_it(make_scheduler):
+    # What the glue protects against: APScheduler's default grace (1 s) drops the late job.
+    ran = busy_then_late(make_scheduler(workers=1, misfire_grace_time=1))
+    assert ran == [0.0]
+
+
+def test_job_due_in_the_past_runs_at_once(make_scheduler):
+    s = make_scheduler()
+    ran = []
+    s.at(time.time() - 3600, ran.append, job_id="past", args=["v2"])
+    assert wait_for(lambda: ran == ["v2"])
+
+
+def test_control_apscheduler_drops_late_jobs_with_a_grace_time(make_scheduler):
+    # What the glue protects against: with a 1 s grace, the hour-late job never runs.
+    s = make_scheduler(misfire_grace_time=1)
+    ran = []
+    s.at(time.time() - 3600, ran.append, job_id="past", args=["v2"])
+    s.at(time.time(), ran.append, job_id="now", args=["marker"])
+    assert wait_for(lambda: "marker" in ran)
+    time.sleep(0.1)
+    assert ran == ["marker"]
+
+
+def test_at_replaces_a_job_with_the_same_id(make_scheduler):
+    s = make_scheduler()
+    later = time.time() + 3600
+    s.at(later, print, job_id="pull:m:v1")
+    s.at(later + 60, print, job_id="pull:m:v1")
+    assert s.jobs() == {"pull:m:v1": pytest.approx(later + 60, abs=1e-3)}
+    assert s.cancel("pull:m:v1") and not s.cancel("pull:m:v1")
+
+
+def test_window_open_now_fires_at_once_then_rearms_for_the_next_opening(make_scheduler):
+    now = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
+    # a daily window that opened a minute ago, lasting an hour
+    windows = (Window(f"{now.minute} {now.hour} * * *", 3600.0),)
+    s = make_scheduler()
+    fired = []
+    first = s.on_windows("window:training", windows, lambda: fired.append(1), clock=time.time)
+    assert first is not None and first <= time.time()
+    assert wait_for(lambda: fired == [1])
+    tomorrow = (now + timedelta(days=1)).timestamp()
+    assert wait_for(lambda: s.jobs().get("window:training") == tomorrow)
+    assert fired == [1]
+
+
+def test_window_closed_arms_the_opening_in_utc(make_scheduler):
+    s = make_scheduler()
+    # Weeknights at 22:00 UTC: cron's 1-5, i.e. mon-fri (APScheduler would read 1-5 as tue-sat).
+    windows = (Window("0 22 * * 1-5", 8 * 3600.0),)
+    saturday_noon = datetime(2030, 1, 5, 12, 0, tzinfo=UTC).timestamp()
+    first = s.on_windows("w", windows, lambda: None, clock=lambda: saturday_noon)
+    monday_22 = datetime(2030, 1, 7, 22, 0, tzinfo=UTC).timestamp()
+    assert first == monday_22 and s.jobs() == {"w": monday_22}
+    assert s.on_windows("w", (), lambda: None, clock=time.time) is None
+    assert s.jobs() == {}
+
+
+def test_every(make_scheduler):
+    s = make_scheduler()
+    ticks = []
+    s.every(0.05, lambda: ticks.append(1), job_id="poll", first=time.time())
+    assert wait_for(lambda: len(ticks) >= 2)

@@ -1,0 +1,105 @@
+import json
+
+from agent.status import (
+    EXIT_DEGRADED,
+    EXIT_HEALTHY,
+    SCHEMA,
+    BackoffEvent,
+    BackoffInfo,
+    ClassCounters,
+    DaemonState,
+    NodeInfo,
+    PolicyInfo,
+    PullInfo,
+    ShapedInterface,
+    ShapingInfo,
+    StoreInfo,
+    WindowInfo,
+    exit_code,
+    one_line,
+    to_json,
+    to_text,
+)
+
+NOW = 1_000_000.0
+
+
+def busy_state(**over):
+    base = dict(
+        pid=42, started_at=NOW - 3600, version="0.1.0",
+        workers={"puller": True, "backoff": True, "control": True},
+        node=NodeInfo(id="gpu-a1", hostname="gpu-a1", role="training", wave_index=2,
+                      wave_delay=3600.0),
+        policy=PolicyInfo(path="/etc/wagent/policy.yaml", sha256="ab" * 32, loaded_at=NOW - 60),
+        shaping=ShapingInfo(
+            enabled=True, cap_bps=500_000_000, current_ceil_bps=10_000_000,
+            interfaces=(ShapedInterface("eth0", "ingress", "wagent-ifb0", (
+                ClassCounters("distribution", "1:10", bytes=10**9, packets=700_000, drops=12,
+                              overlimits=30, rate_bps=10**7, ceil_bps=10**7),
+                ClassCounters("default", "1:20", bytes=5 * 10**9)),),)),
+        backoff=BackoffInfo(
+            enabled=True, state="backed_off", reason="NCCL traffic", since=NOW - 20,
+            rate_bps=10_000_000, floor_bps=10_000_000, cap_bps=500_000_000,
+            events=(BackoffEvent(NOW - 20, "backed_off", "NCCL traffic", 10_000_000),),
+            readings={"link_other_bps": 9.1e8, "rdma_bps": 0.0}),
+        pulls=(PullInfo("llama3-70b", "v3", "pulling", bytes_done=41, bytes_total=100,
+                        rate_bps=480e6, streams=8, slot_at=NOW - 100, started_at=NOW - 90,
+                        local_version="v2"),),
+        window=WindowInfo(open=True, closes_at=NOW + 600),
+        store=StoreInfo("/var/cache/wagent", used_bytes=2 * 2**30, versions=2,
+                        free_bytes=10 * 2**30),
+    )
+    base.update(over)
+    return DaemonState(**base)
+
+
+def test_schema_fields_and_healthy():
+    doc = to_json(busy_state(), NOW)
+    assert doc["schema"] == SCHEMA == 1
+    assert set(doc) == {"schema", "generated_at", "health", "problems", "daemon", "node",
+                        "policy", "shaping", "backoff", "pulls", "window", "store"}
+    assert doc["health"] == "healthy" and exit_code(doc) == EXIT_HEALTHY
+    assert doc["daemon"]["uptime_s"] == 3600
+    p = doc["pulls"][0]
+    assert p["percent"] == 41.0
+    assert p["eta_s"] == 59 * 8 / 480e6
+    assert doc["shaping"]["interfaces"][0]["classes"][0]["drops"] == 12
+    json.dumps(doc)  # serialisable as is
+
+
+def test_one_line_like_the_issue_says():
+    assert one_line(to_json(busy_state(), NOW)) == \
+        "pulling llama3-70b v3 41% at 480 Mbit/s; backed off: NCCL traffic"
+    idle = busy_state(pulls=(), backoff=BackoffInfo(enabled=True, state="full"))
+    assert one_line(to_json(idle, NOW)) == "idle"
+
+
+def test_refused_reload_is_degraded_and_shown():
+    err = "/etc/wagent/policy.yaml:12: shaping.ceil: bad rate 'fast'"
+    st = busy_state(policy=PolicyInfo(path="/etc/wagent/policy.yaml", sha256="ab" * 32,
+                                      loaded_at=NOW - 60, last_error=err, last_error_at=NOW - 5))
+    doc = to_json(st, NOW)
+    assert doc["health"] == "degraded" and exit_code(doc) == EXIT_DEGRADED
+    assert doc["policy"]["last_error"] == err
+    text = to_text(doc)
+    assert err in text and "previous policy" in text
+
+
+def test_dead_worker_is_degraded():
+    doc = to_json(busy_state(workers={"puller": False, "backoff": True}), NOW)
+    assert doc["health"] == "degraded"
+    assert doc["problems"] == ["worker thread 'puller' is not running"]
+
+
+def test_text_covers_every_section():
+    text = to_text(to_json(busy_state(), NOW))
+    for needle in ("gpu-a1", "role training", "wave 2", "sha256 abababababab", "eth0 ingress",
+                   "12 drops", "backed_off (NCCL traffic)", "llama3-70b v3: pulling", "41%",
+                   "8 streams", "ETA", "window:   open", "2 GiB in 2 versions"):
+        assert needle in text, needle
+
+
+def test_minimal_state_renders():
+    doc = to_json(DaemonState(pid=1, started_at=NOW, version="x"), NOW)
+    assert "shaping:  off" in to_text(doc)
+    assert doc["pulls"] == [] and doc["pulls"] is not None
