@@ -68,7 +68,7 @@ class Parts:
     control: ControlServer | None = None
     metrics: Metrics | None = None
     ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
-    shaping_error: str | None = None
+    shaping_notes: tuple[str, ...] = ()  # what the last apply said
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -174,12 +174,23 @@ class Application:
             from shaping.shaper import Shaper  # only nodes that shape need pyroute2
 
             shaper = Shaper(new.shaping, new.sources, new.state_dir)
-            shaper.apply()   # adopts wagent's own tree and changes it in place
+            report = shaper.apply()   # adopts wagent's own tree and changes it in place
+            if parts.shaper is not None:
+                parts.shaper.close()
             parts.shaper = shaper
-            parts.ceil_bps = new.shaping.ceil
+            parts.shaping_notes = tuple(report.notes)
+            if parts.ceil_bps is not None and old is not None and old.shaping.enabled:
+                # keep the backoff controller's ceil; it retunes from there on its next tick
+                shaper.set_ceil(min(parts.ceil_bps, new.shaping.ceil))
+                parts.ceil_bps = min(parts.ceil_bps, new.shaping.ceil)
+            else:
+                parts.ceil_bps = new.shaping.ceil
         else:
+            if parts.shaper is not None:
+                parts.shaper.close()
             parts.shaper = None
             parts.ceil_bps = None
+            parts.shaping_notes = ()
         if was is not None:
             # sweep: interfaces (or all shaping) the new policy no longer declares
             gone = [i for i in was.interfaces
@@ -222,12 +233,19 @@ class Application:
             parts.shaper.set_ceil(bps)
             parts.ceil_bps = bps
 
-        class _Shaper:   # records the live ceil for status; the loop sees the real methods
-            def __init__(self, real: Any) -> None:
-                self.set_ceil = set_ceil
-                self.stats = real.stats
+        def stats() -> Any:
+            assert parts.shaper is not None
+            return parts.shaper.stats()
 
-        shaper = _Shaper(parts.shaper) if parts.shaper is not None else None
+        class _Shaper:
+            """The shaper the loop sees: always the current one (a reload replaces it), and
+            the ceil it sets is recorded for status."""
+
+            def __init__(self) -> None:
+                self.set_ceil = set_ceil
+                self.stats = stats
+
+        shaper = _Shaper() if parts.shaper is not None else None
         parts.backoff = start_for_pull(
             parts.policy, parts.bucket, shaper,
             bytes_read=lambda: sum(parts.puller.fetched_totals().values()))
@@ -320,6 +338,14 @@ class Application:
             alive["control"] = parts.control.alive()
         return alive
 
+    def error_counts(self, parts: Parts | None) -> dict[str, int]:
+        if parts is None:
+            return {}
+        counts = {"pull": parts.puller.failures_total}
+        if parts.backoff is not None:
+            counts["backoff_apply"] = parts.backoff.apply_errors
+        return counts
+
     def supervise(self, parts: Parts) -> None:
         parts.puller.supervise()
 
@@ -362,7 +388,7 @@ class Application:
         except Exception as e:
             interfaces, error = (), f"reading the tc counters failed: {e}"
         return ShapingInfo(enabled=True, cap_bps=sh.ceil, current_ceil_bps=parts.ceil_bps,
-                           interfaces=interfaces, error=error or parts.shaping_error)
+                           interfaces=interfaces, error=error, notes=parts.shaping_notes)
 
     def _backoff_info(self, parts: Parts) -> BackoffInfo:
         loop = parts.backoff

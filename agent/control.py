@@ -307,7 +307,9 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
             if e.errno in (errno.ENOTSOCK, errno.ENOTDIR):
                 raise NotRunning(f"{path}: {e.strerror}") from None
             raise
-        s.sendall(encode({"cmd": cmd, "args": args or {}}))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # a busy daemon answers and closes before reading; its answer is still there
+            s.sendall(encode({"cmd": cmd, "args": args or {}}))
         try:
             line = _read_reply(s)
         except TimeoutError:
@@ -328,7 +330,10 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
 def _read_reply(s: socket.socket) -> bytes:
     buf = bytearray()
     while b"\n" not in buf:
-        chunk = s.recv(65536)
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
         if not chunk:
             break
         buf += chunk

@@ -143,7 +143,9 @@ class Daemon:
 
     # -- signals ----------------------------------------------------------------------------
     def _install_signals(self) -> dict[int, Any]:
-        previous = {}
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return previous   # embedded (tests): signals stay with the main thread's owner
         for sig, handler in ((signal.SIGHUP, self._on_sighup), (signal.SIGTERM, self._on_stop),
                              (signal.SIGINT, self._on_stop)):
             previous[sig] = signal.signal(sig, handler)
@@ -151,6 +153,8 @@ class Daemon:
         return previous
 
     def _restore_signals(self, previous: dict[int, Any]) -> None:
+        if not previous:
+            return
         signal.set_wakeup_fd(previous.pop(-1))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -239,7 +243,7 @@ class Daemon:
         return self.app.snapshot(self.parts, DaemonState(
             pid=os.getpid(), started_at=self.started_at, version=__version__,
             workers=self.workers(), policy=self.policy_info, errors=tuple(self.errors),
-            error_counts=dict(self.error_counts)))
+            error_counts=dict(self.error_counts + Counter(self.app.error_counts(self.parts)))))
 
     def status(self) -> dict[str, Any]:
         return to_json(self.state(), self.clock())

@@ -91,6 +91,7 @@ class Puller:
         self._current: tuple[str, str, threading.Event] | None = None   # model, version, stop
         self._samples: deque[tuple[float, int]] = deque()
         self._engine_rate: float | None = None
+        self.failures_total = 0         # failed pulls since start (metrics)
         self._thread: threading.Thread | None = None
         self._sync_models()
 
@@ -270,6 +271,7 @@ class Puller:
                 return 0.1
             st = self._states[model.name]
             st.failures += 1
+            self.failures_total += 1
             delay = min(self.policy.poll_interval, 10.0 * 2 ** min(st.failures - 1, 6))
             st.retry_at = d.clock() + delay
             log.warning("pull %s %s failed (retry in %.0f s): %s", model.name, version, delay, e)

@@ -28,8 +28,7 @@ EXIT_DEGRADED = 1
 EXIT_NOT_RUNNING = 3
 
 # Pull states, in the order a version goes through them.
-PULL_STATES = ("idle", "resolving", "waiting_slot", "waiting_window", "paused", "pulling",
-               "done", "failed")
+PULL_STATES = ("idle", "waiting_slot", "waiting_window", "paused", "pulling", "done", "failed")
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,8 @@ class ShapingInfo:
     current_ceil_bps: int | None = None  # what the backoff controller set last
     interfaces: tuple[ShapedInterface, ...] = ()
     error: str | None = None
+    notes: tuple[str, ...] = ()         # what the last apply said (adopted a tree, left an
+                                        # interface alone because of someone else's qdisc, ...)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
         "shaping": {
             "enabled": s.shaping.enabled, "cap_bps": s.shaping.cap_bps,
             "current_ceil_bps": s.shaping.current_ceil_bps, "error": s.shaping.error,
+            "notes": list(s.shaping.notes),
             "interfaces": [
                 {"name": i.name, "direction": i.direction, "device": i.device,
                  "classes": [
@@ -308,6 +310,7 @@ def to_text(doc: Mapping[str, Any]) -> str:
                 lines.append(f"    {c['name']:<13} {format_size(c['bytes']):>10} "
                              f"{c['packets']} pkts, {c['drops']} drops, "
                              f"{c['overlimits']} overlimits")
+        lines += [f"  note: {note}" for note in sh["notes"]]
         if sh["error"]:
             lines.append(f"  error: {sh['error']}")
     else:

@@ -27,7 +27,8 @@ ls "$root"/policies/*.yaml >/dev/null 2>&1 ||
     die "policies/ holds no *.yaml: the package ships the default policies from there"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/wagent-deb.XXXXXX")
-trap 'rm -rf "$work"' EXIT INT TERM
+trap 'rm -rf "$work"' EXIT
+trap 'exit 130' INT TERM
 src="$work/wagent-$py_version"
 mkdir "$src"
 # Everything the build could need; not the venv, the VCS, caches, or earlier build output.

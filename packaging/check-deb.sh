@@ -37,7 +37,8 @@ cleanup() {
     [ -z "$ns" ] || ip netns delete "$ns" 2>/dev/null || true
     rm -rf "$work"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "check-deb: FAIL: $*" >&2; failed=1; }

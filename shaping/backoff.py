@@ -83,13 +83,9 @@ class BackoffLoop:
     def tick(self) -> Decision:
         """One tick: sample, decide, apply (sinks that failed last time are retried)."""
         now = self._clock()
-        dist = None
-        if self.distribution is not None:
-            try:
-                dist = self.distribution()
-            except Exception as e:  # stats unreadable this tick: judge without the link
-                self._note_error(f"distribution counters: {e}")
-        readings = self.detectors.sample(now, dist)
+        # The link detector calls the distribution counters itself, between two reads of the
+        # interface counters; a failure there is reported like any detector's.
+        readings = self.detectors.sample(now, self.distribution)
         decision = self.controller.step(readings, now)
         for name, sink in self.sinks.items():
             # A sink that can say what it holds is trusted over our memory of it: someone else
@@ -263,6 +259,9 @@ def pull_backoff(policy: Policy, bucket: Any, *, rate: int | None = None,
                     shaper.clear()
                 else:
                     shaper.set_ceil(policy.shaping.ceil)
+            except Exception as e:  # the pull's own outcome matters more; say what is left
+                log.warning("shaping left in place after the pull (%s); remove it with "
+                            "`wagent shaping clear --policy %s`", e, policy.path or "POLICY")
             finally:
                 shaper.close()
 

@@ -174,6 +174,7 @@ class Netlink:
         except OSError:
             pass                         # kernels before 4.12: errors without the kernel's words
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self._sock.settimeout(10.0)
         self._sock.bind((0, 0))
         self._seq = itertools.count(int.from_bytes(os.urandom(2), "big") + 1)
         self._ipr: IPRoute | None = None
@@ -227,62 +228,33 @@ class Netlink:
 
     def wagent_roots(self) -> set[int]:
         """Indexes of links whose root qdisc carries wagent's handle (one dump for all links)."""
-        return {msg["index"] for msg in self._dump(RTM_GETQDISC, 0, 0)
-                if msg["parent"] == TC_H_ROOT and msg["handle"] >> 16 == 0x5747
-                and _attr(msg, "TCA_KIND") == "htb"}
+        out = set()
+        for raw in self._dump(RTM_GETQDISC, 0, 0):
+            index, q = parse_qdisc(raw)
+            if q.parent == TC_H_ROOT and q.handle >> 16 == 0x5747 and q.kind == "htb":
+                out.add(index)
+        return out
 
     def class_stats(self, index: int) -> list[tuple[HtbClassState, dict[str, int]]]:
         return list(self._classes(index))
 
     def _qdiscs(self, index: int) -> Iterator[Qdisc]:
-        for msg in self._dump(RTM_GETQDISC, index, 0):
-            if msg["index"] != index:
-                continue
-            kind = _attr(msg, "TCA_KIND", "")
-            defcls = 0
-            if kind == "htb":
-                opts = msg.get_attr("TCA_OPTIONS")
-                glob = opts.get_attr("TCA_HTB_INIT") if opts is not None else None
-                if glob:
-                    defcls = _HTB_GLOB.unpack_from(glob)[2]
-            yield Qdisc(str(kind), msg["handle"], msg["parent"], defcls)
+        for raw in self._dump(RTM_GETQDISC, index, 0):
+            owner, q = parse_qdisc(raw)
+            if owner == index:
+                yield q
 
     def _classes(self, index: int) -> Iterator[tuple[HtbClassState, dict[str, int]]]:
-        for msg in self._dump(RTM_GETTCLASS, index, 0):
-            if _attr(msg, "TCA_KIND") != "htb" or msg["index"] != index:
-                continue
-            opts = msg.get_attr("TCA_OPTIONS")
-            parms = opts.get_attr("TCA_HTB_PARMS") if opts is not None else None
-            if not parms:
-                continue
-            p = _HTB_OPT.unpack_from(parms)
-            rate = opts.get_attr("TCA_HTB_RATE64") or p[5]
-            ceil = opts.get_attr("TCA_HTB_CEIL64") or p[11]
-            # A top-level class reports parent TC_H_ROOT; it was added under the qdisc's handle.
-            parent = msg["parent"]
-            parent = msg["handle"] & 0xFFFF0000 if parent == TC_H_ROOT else parent
-            cls = HtbClassState(msg["handle"], parent, rate, ceil, p[12], p[13], p[14], p[16],
-                                msg["info"])
-            yield cls, _stats(msg)
+        for raw in self._dump(RTM_GETTCLASS, index, 0):
+            owner, parsed = parse_class(raw)
+            if owner == index and parsed is not None:
+                yield parsed
 
     def _filters(self, index: int, parent: int) -> Iterator[FilterState]:
-        for msg in self._dump(RTM_GETTFILTER, index, parent):
-            if _attr(msg, "TCA_KIND") != "u32" or msg["index"] != index:
-                continue
-            info = msg["info"]
-            opts = msg.get_attr("TCA_OPTIONS")
-            keys: tuple[U32Key, ...] = ()
-            classid = redirect = 0
-            if opts is not None:
-                sel = opts.get_attr("TCA_U32_SEL")
-                if sel:
-                    nkeys = _U32_SEL.unpack_from(sel)[2]
-                    keys = tuple(_key(*_U32_KEY.unpack_from(sel, _U32_SEL.size + 16 * i))
-                                 for i in range(nkeys))
-                classid = opts.get_attr("TCA_U32_CLASSID") or 0
-                redirect = _redirect_of(opts.get_attr("TCA_U32_ACT"))
-            yield FilterState(parent, socket.ntohs(info & 0xFFFF), info >> 16, msg["handle"],
-                              "u32", classid, keys, redirect)
+        for raw in self._dump(RTM_GETTFILTER, index, parent):
+            owner, f = parse_filter(raw, parent)
+            if owner == index and f is not None:
+                yield f
 
     # ---- writing -------------------------------------------------------------------------
     def execute(self, actions: Sequence[Action]) -> None:
@@ -294,58 +266,45 @@ class Netlink:
         match action:
             case CreateIfb(name, txqlen):
                 self._link("add", ifname=name, kind="ifb", txqlen=txqlen)
-                self._link("set", index=self._index(name), state="up")
+                self._link("set", index=self.index(name), state="up")
             case SetLinkUp(name):
-                self._link("set", index=self._index(name), state="up")
+                self._link("set", index=self.index(name), state="up")
             case DeleteLink(name):
-                self._link("del", index=self._index(name))
+                self._link("del", index=self.index(name))
             case SetRootHtb(device, defcls):
                 glob = _HTB_GLOB.pack(3, 10, defcls, 0, 0)
-                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _htb_tc, self._index(device),
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _htb_tc, self.index(device),
                          0x57470000, TC_H_ROOT, 0, "htb",
                          {"attrs": [["TCA_HTB_INIT", glob]]}, what=f"htb on {device}")
             case AddIngress(device):
-                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, _tc, self._index(device),
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_EXCL, _tc, self.index(device),
                          0xFFFF0000, TC_H_INGRESS, 0, "ingress", None,
                          what=f"ingress qdisc on {device}")
             case DeleteQdisc(device, parent, handle, kind):
-                self._tc(RTM_DELQDISC, 0, _tc, self._index(device), handle, parent, 0, None,
+                self._tc(RTM_DELQDISC, 0, _tc, self.index(device), handle, parent, 0, None,
                          None, what=f"{kind} qdisc on {device}")
             case RestoreRoot(device, kind, handle):
-                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _tc, self._index(device),
+                self._tc(RTM_NEWQDISC, NLM_F_CREATE | NLM_F_REPLACE, _tc, self.index(device),
                          handle, TC_H_ROOT, 0, kind, None, what=f"{kind} qdisc on {device}")
             case SetClass(device, cls, create):
-                self.set_class(self._index(device), cls, create)
+                self.set_class(self.index(device), cls, create)
             case DeleteClass(device, classid):
-                self._tc(RTM_DELTCLASS, 0, _tc, self._index(device), classid, 0, 0, None, None,
+                self._tc(RTM_DELTCLASS, 0, _tc, self.index(device), classid, 0, 0, None, None,
                          what=f"class {classid:#x} on {device}")
             case SetFilter(device, flt, create):
                 self._set_filter(device, flt, create)
             case DeleteFilter(device, parent, protocol, pref, handle):
                 info = (pref << 16) | socket.htons(protocol)
-                self._tc(RTM_DELTFILTER, 0, _tc, self._index(device), handle, parent, info, "u32",
+                self._tc(RTM_DELTFILTER, 0, _tc, self.index(device), handle, parent, info, "u32",
                          None, what=f"filter pref {pref} on {device}")
             case _:
                 raise TypeError(f"not an action: {action!r}")
 
     def set_class(self, index: int, cls: HtbClass, create: bool = False) -> None:
         """Add or change one HTB class with every parameter: one request, one ack."""
-        rate, ceil = cls.rate // 8, cls.ceil // 8
-        parms = _HTB_OPT.pack(0, LINKLAYER_ETHERNET, 0, 0, 0, min(rate, U32_MAX),
-                              0, LINKLAYER_ETHERNET, 0, 0, 0, min(ceil, U32_MAX),
-                              bytes_to_ticks(cls.burst, cls.rate),
-                              bytes_to_ticks(cls.cburst, cls.ceil), cls.quantum, 0, cls.prio)
-        attrs: list[list[object]] = [["TCA_HTB_PARMS", parms]]
-        if rate > U32_MAX:
-            attrs.append(["TCA_HTB_RATE64", rate])
-        if ceil > U32_MAX:
-            attrs.append(["TCA_HTB_CEIL64", ceil])
-        # A rate estimator (every 1 s, averaged over ~4 s) so stats() can report a current rate;
-        # left out on change, where the kernel keeps the one it has.
-        extra = [["TCA_RATE", _ESTIMATOR.pack(0, 2)]] if create else []
+        msg = class_message(index, cls, create)
         flags = NLM_F_CREATE | NLM_F_EXCL if create else 0
-        self._tc(RTM_NEWTCLASS, flags, _htb_tc, index, cls.classid, cls.parent, 0, "htb",
-                 {"attrs": attrs}, extra, what=f"class {cls.name} ({cls.classid:#x})")
+        self._request(msg, RTM_NEWTCLASS, flags, f"class {cls.name} ({cls.classid:#x})", "htb")
 
     def _set_filter(self, device: str, flt: Filter, create: bool) -> None:
         sel = _U32_SEL.pack(TC_U32_TERMINAL, 0, len(flt.keys), 0, 0, 0, 0, 0) + b"".join(
@@ -354,7 +313,7 @@ class Netlink:
         attrs: list[list[object]] = [["TCA_U32_SEL", sel]]
         if flt.redirect:
             mirred = _MIRRED.pack(0, 0, TC_ACT_STOLEN, 0, 0, TCA_EGRESS_REDIR,
-                                  self._index(flt.redirect))
+                                  self.index(flt.redirect))
             attrs.append(["TCA_U32_ACT", {"attrs": [["TCA_ACT_PRIO_1", {"attrs": [
                 ["TCA_ACT_KIND", "mirred"],
                 ["TCA_ACT_OPTIONS", {"attrs": [["TCA_MIRRED_PARMS", mirred]]}]]}]]}])
@@ -362,11 +321,11 @@ class Netlink:
             attrs.insert(0, ["TCA_U32_CLASSID", flt.classid])
         info = (flt.pref << 16) | socket.htons(flt.protocol)
         flags = NLM_F_CREATE | (NLM_F_EXCL if create else 0)
-        self._tc(RTM_NEWTFILTER, flags, _u32_tc, self._index(device), flt.handle, flt.parent,
+        self._tc(RTM_NEWTFILTER, flags, _u32_tc, self.index(device), flt.handle, flt.parent,
                  info, "u32", {"attrs": attrs}, what=f"u32 filter on {device}")
 
     # ---- transport -----------------------------------------------------------------------
-    def _index(self, name: str) -> int:
+    def index(self, name: str) -> int:
         found = self.ipr.link_lookup(ifname=name)
         if not found:
             raise ShapingError(f"no interface {name!r} on this host (see `ip link`)")
@@ -415,7 +374,8 @@ class Netlink:
                     raise _tc_error(code, _ext_ack(body, mflags), what, kind, msg_type)
                 return
 
-    def _dump(self, msg_type: int, index: int, parent: int) -> Iterator[nlmsg]:
+    def _dump(self, msg_type: int, index: int, parent: int) -> list[bytes]:
+        """Raw messages of one dump (recorded as-is under tests/unit/data/netlink/)."""
         seq = next(self._seq)
         msg = _tc()
         msg["family"], msg["index"], msg["parent"] = socket.AF_UNSPEC, index, parent
@@ -436,15 +396,15 @@ class Netlink:
                     raise _tc_error(code, _ext_ack(body, mflags), "reading tc state", "",
                                     msg_type)
                 break
-            raw = struct.pack("=IHHII", 16 + len(body), mtype, 0, mseq, 0) + body
-            parsed = _BY_KIND.get(_kind_of(raw), _tc)(raw)
-            parsed.decode()
-            out.append(parsed)
-        return iter(out)
+            out.append(struct.pack("=IHHII", 16 + len(body), mtype, 0, mseq, 0) + body)
+        return out
 
     def _replies(self) -> Iterator[tuple[int, int, int, bytes]]:
         while True:
-            data = self._sock.recv(1 << 20)
+            try:
+                data = self._sock.recv(1 << 20)
+            except TimeoutError:
+                raise ShapingError("netlink: no answer from the kernel within 10 s") from None
             off = 0
             while off + 16 <= len(data):
                 length, mtype, flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
@@ -452,6 +412,85 @@ class Netlink:
                     break
                 yield mtype, flags, seq, data[off + 16:off + length]
                 off += (length + 3) & ~3
+
+
+def class_message(index: int, cls: HtbClass, create: bool) -> nlmsg:
+    """RTM_NEWTCLASS body for an HTB class: every parameter, 64-bit rates as TCA_HTB_RATE64."""
+    rate, ceil = cls.rate // 8, cls.ceil // 8
+    parms = _HTB_OPT.pack(0, LINKLAYER_ETHERNET, 0, 0, 0, min(rate, U32_MAX),
+                          0, LINKLAYER_ETHERNET, 0, 0, 0, min(ceil, U32_MAX),
+                          bytes_to_ticks(cls.burst, cls.rate),
+                          bytes_to_ticks(cls.cburst, cls.ceil), cls.quantum, 0, cls.prio)
+    attrs: list[list[object]] = [["TCA_HTB_PARMS", parms]]
+    if rate > U32_MAX:
+        attrs.append(["TCA_HTB_RATE64", rate])
+    if ceil > U32_MAX:
+        attrs.append(["TCA_HTB_CEIL64", ceil])
+    msg = _htb_tc()
+    msg["family"], msg["index"], msg["handle"] = socket.AF_UNSPEC, index, cls.classid
+    msg["parent"], msg["info"] = cls.parent, 0
+    msg["attrs"] = [["TCA_KIND", "htb"], ["TCA_OPTIONS", {"attrs": attrs}]]
+    if create:
+        # A rate estimator (every 1 s, averaged over ~4 s) so stats() can report a current
+        # rate; left out on change, where the kernel keeps the one it has.
+        msg["attrs"].append(["TCA_RATE", _ESTIMATOR.pack(0, 2)])
+    return msg
+
+
+def decode(raw: bytes) -> nlmsg:
+    """A raw tc message (header included), decoded with the class its TCA_KIND calls for."""
+    msg = _BY_KIND.get(_kind_of(raw), _tc)(raw)
+    msg.decode()
+    return msg
+
+
+def parse_qdisc(raw: bytes) -> tuple[int, Qdisc]:
+    msg = decode(raw)
+    kind = str(_attr(msg, "TCA_KIND", ""))
+    defcls = 0
+    if kind == "htb":
+        opts = msg.get_attr("TCA_OPTIONS")
+        glob = opts.get_attr("TCA_HTB_INIT") if opts is not None else None
+        if glob:
+            defcls = _HTB_GLOB.unpack_from(glob)[2]
+    return msg["index"], Qdisc(kind, msg["handle"], msg["parent"], defcls)
+
+
+def parse_class(raw: bytes) -> tuple[int, tuple[HtbClassState, dict[str, int]] | None]:
+    msg = decode(raw)
+    opts = msg.get_attr("TCA_OPTIONS") if _attr(msg, "TCA_KIND") == "htb" else None
+    parms = opts.get_attr("TCA_HTB_PARMS") if opts is not None else None
+    if not parms:
+        return msg["index"], None
+    p = _HTB_OPT.unpack_from(parms)
+    rate = opts.get_attr("TCA_HTB_RATE64") or p[5]
+    ceil = opts.get_attr("TCA_HTB_CEIL64") or p[11]
+    # A top-level class reports parent TC_H_ROOT; it was added under the qdisc's handle.
+    parent = msg["parent"]
+    parent = msg["handle"] & 0xFFFF0000 if parent == TC_H_ROOT else parent
+    cls = HtbClassState(msg["handle"], parent, rate, ceil, p[12], p[13], p[14], p[16],
+                        msg["info"])
+    return msg["index"], (cls, _stats(msg))
+
+
+def parse_filter(raw: bytes, parent: int) -> tuple[int, FilterState | None]:
+    msg = decode(raw)
+    if _attr(msg, "TCA_KIND") != "u32":
+        return msg["index"], None
+    info = msg["info"]
+    opts = msg.get_attr("TCA_OPTIONS")
+    keys: tuple[U32Key, ...] = ()
+    classid = redirect = 0
+    if opts is not None:
+        sel = opts.get_attr("TCA_U32_SEL")
+        if sel:
+            nkeys = _U32_SEL.unpack_from(sel)[2]
+            keys = tuple(_key(*_U32_KEY.unpack_from(sel, _U32_SEL.size + 16 * i))
+                         for i in range(nkeys))
+        classid = opts.get_attr("TCA_U32_CLASSID") or 0
+        redirect = _redirect_of(opts.get_attr("TCA_U32_ACT"))
+    return msg["index"], FilterState(parent, socket.ntohs(info & 0xFFFF), info >> 16,
+                                     msg["handle"], "u32", classid, keys, redirect)
 
 
 def _stats(msg: nlmsg) -> dict[str, int]:

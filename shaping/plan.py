@@ -198,8 +198,11 @@ def handle_str(handle: int) -> str:
 
 
 def bytes_to_ticks(size: int, rate_bits: int) -> int:
-    """HTB's bucket depth in psched ticks, as tc computes it (time to send ``size`` at the rate)."""
-    return size * TICKS_PER_SECOND // max(rate_bits // 8, 1)
+    """HTB's bucket depth in psched ticks, exactly as tc computes it (time to send ``size`` at
+    the rate, truncated to whole microseconds first), so the dry run's tc lines build the very
+    same classes."""
+    micros = size * 1_000_000 // max(rate_bits // 8, 1)
+    return micros * TICKS_PER_SECOND // 1_000_000
 
 
 def ticks_to_bytes(ticks: int, rate_bytes: int) -> int:

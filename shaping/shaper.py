@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from agent.policy_model import Shaping, Source
 from shaping import state
+from shaping.errors import ShapingError
 from shaping.netlink import Netlink
 from shaping.observed import ClassStats, Device, Qdisc
 from shaping.plan import (
@@ -93,7 +94,15 @@ class Shaper:
         adopted: list[str] = []
         with self._netlink() as nl:
             links = nl.links()
+            missing = [ip.interface for ip in plan.interfaces if ip.interface not in links]
+            if missing and len(missing) == len(plan.interfaces):
+                raise ShapingError(f"shaping.interfaces: no interface {missing[0]!r} on this "
+                                   "host (see `ip link`); fix the policy or create the link")
             for ip in plan.interfaces:
+                if ip.interface in missing:
+                    # A fleet-wide policy may name interfaces only some nodes have.
+                    notes.append(f"{ip.interface}: no such interface on this host; skipped")
+                    continue
                 devices = {n: nl.device(n, links) for n in (ip.interface, ip.ifb) if n}
                 steps, why = reconcile(ip, devices, plan.take_over)
                 notes += why
@@ -134,8 +143,13 @@ class Shaper:
         for tree in trees:
             cls = with_ceil(tree.distribution(), bits_per_s)
             index = self._live.indexes.get(tree.device)
-            if index is None:
-                index = self._live.indexes[tree.device] = nl._index(tree.device)
+            if index is not None:
+                try:
+                    nl.set_class(index, cls)
+                    continue
+                except ShapingError:
+                    pass                 # the link may have been re-created: look it up again
+            index = self._live.indexes[tree.device] = nl.index(tree.device)
             nl.set_class(index, cls)
         self._live.ceil = bits_per_s
 

@@ -42,8 +42,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(reason)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def testbed() -> Iterator[Testbed]:
-    """A fresh Testbed per test; everything it made is gone after the test, pass or fail."""
+def testbed(request: pytest.FixtureRequest) -> Iterator[Testbed]:
+    """A fresh Testbed per test; everything it made is gone after the test, pass or fail.
+
+    When the test fails, the logs of the processes it started (nginx, iperf3, popen) are printed
+    at teardown, so the failure report shows them.
+    """
     with Testbed() as tb:
         yield tb
+        if request.node.stash.get(CALL_FAILED, False):
+            logs = tb.logs()
+            if logs:
+                print(f"testbed {tb.prefix} logs:\n{logs}")

@@ -273,3 +273,31 @@ def publish_dir(d: Path, piece_size: int | None = None) -> Path:
     manifest.write(d, manifest.build(d, piece_size=piece_size or manifest.DEFAULT_PIECE_SIZE))
     (d.parent / "latest").write_text(d.name + "\n")
     return d
+
+
+def pull_json(url: str, store: str, streams: int = 8) -> dict:
+    """One pull in this process; its figures (for benchmarks run inside a testbed host)."""
+    from agent.commands.pull import split_url
+    from agent.policy_model import Source
+    from agent.pull.engine import PullOptions, pull_version
+    from agent.store import Store
+    source, model, version = split_url(url)
+    r = pull_version([Source(source)], model, version, Store(store),
+                     options=PullOptions(streams=streams))
+    return {"seconds": r.seconds, "fetched": r.bytes_fetched, "reused": r.bytes_reused,
+            "total": r.bytes_total, "path": str(r.path)}
+
+
+def pull_in(host: object, url: str, store: Path, streams: int = 8) -> dict:
+    """``pull_json`` run inside a testbed host (a child python in its namespace)."""
+    import json
+    import sys
+    out = host.run([sys.executable, "-m", "tests.pull_helpers", url, str(store), str(streams)],
+                   timeout=900, cwd=str(Path(__file__).resolve().parents[1]))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    print(json.dumps(pull_json(sys.argv[1], sys.argv[2], int(sys.argv[3]))))

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.notify import Notifier, watchdog_interval
     from agent.policy import PolicyError
     from agent.store import StoreError
+    from shaping.errors import ShapingError
 
     if args.verbose == 0:
         logging.getLogger().setLevel(logging.INFO)   # a daemon's journal wants its story
@@ -49,12 +50,9 @@ def run(args: argparse.Namespace) -> int:
                     watchdog_interval=watchdog_interval(os.environ, os.getpid()))
     try:
         return daemon.run(policy)
+    except ShapingError as e:
+        print(f"wagent run: can't apply shaping, not starting unshaped: {e}", file=sys.stderr)
+        return 1
     except (ControlError, MetricsError, StoreError, OSError) as e:
         print(f"wagent run: can't start: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        if type(e).__name__ == "ShapingError" or type(e).__module__.startswith("shaping"):
-            print(f"wagent run: can't apply shaping, not starting unshaped: {e}",
-                  file=sys.stderr)
-            return 1
-        raise

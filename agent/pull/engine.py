@@ -39,6 +39,7 @@ __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStoppe
            "published_at", "pull_version", "resolve_latest"]
 
 log = logging.getLogger(__name__)
+MIN_REQUEST = 2**20
 
 
 @dataclass(frozen=True)
@@ -211,11 +212,16 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                                   partials[fp.sha256], len(fp.copies) + len(fp.fetch))
              for fp in p.files}
     copies = [(fp.sha256, c) for fp in p.files for c in fp.copies]
-    settings = Settings(m.model, m.version, max(1, options.streams),
-                        max(1, min(options.request_size, options.piece_size)), options.chunk,
+    streams = max(1, options.streams)
+    # About 8 requests per stream, and single pieces at the end, so that the streams finish
+    # together rather than one of them finishing a long request alone.
+    request_size = max(1, min(options.request_size, options.piece_size,
+                              max(MIN_REQUEST, p.bytes_fetch // (8 * streams))))
+    settings = Settings(m.model, m.version, streams, request_size, options.chunk,
                         options.timeouts, options.retries, options.backoff_base,
                         options.backoff_cap, options.verify_files)
-    transfer = Transfer(sources, store, files, planning.requests_for(p, settings.request_size),
+    transfer = Transfer(sources, store, files,
+                        planning.requests_for(p, settings.request_size, tail=2 * streams),
                         copies, settings, bucket, stop, on_file=lambda f: emit("file", f.path))
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []

@@ -114,17 +114,24 @@ def plan(manifest: Manifest, blobs: Collection[str],
     return Plan(tuple(files), tuple(present), total, present_bytes)
 
 
-def requests_for(p: Plan, request_size: int) -> list[Request]:
-    """Fetch requests in order: file by file, consecutive pieces batched up to request_size."""
-    out = []
-    for f in p.files:
-        run: list[Piece] = []
-        for piece in f.fetch:
-            if run and (run[-1].offset + run[-1].size != piece.offset
-                        or sum(x.size for x in run) + piece.size > request_size):
-                out.append(Request(f.sha256, tuple(run)))
-                run = []
-            run.append(piece)
-        if run:
-            out.append(Request(f.sha256, tuple(run)))
+def requests_for(p: Plan, request_size: int, tail: int = 0) -> list[Request]:
+    """Fetch requests in order: file by file, consecutive pieces batched up to request_size.
+
+    The last ``tail`` pieces go one per request, so the streams run out of work together
+    instead of one stream finishing a long request alone.
+    """
+    pieces = [(f.sha256, piece) for f in p.files for piece in f.fetch]
+    cut = max(0, len(pieces) - tail)
+    out: list[Request] = []
+    run: list[Piece] = []
+    run_sha = ""
+    for i, (sha, piece) in enumerate(pieces):
+        if run and (sha != run_sha or i >= cut or run[-1].offset + run[-1].size != piece.offset
+                    or sum(x.size for x in run) + piece.size > request_size):
+            out.append(Request(run_sha, tuple(run)))
+            run = []
+        run.append(piece)
+        run_sha = sha
+    if run:
+        out.append(Request(run_sha, tuple(run)))
     return out

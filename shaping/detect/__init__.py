@@ -14,11 +14,11 @@ others still count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent.policy_model import Backoff
-from shaping.detect.link import LinkDetector
+from shaping.detect.link import Distribution, LinkDetector
 from shaping.detect.nccl import NcclDetector
 from shaping.detect.ports import PortsDetector
 from shaping.detect.rdma import RdmaDetector
@@ -34,6 +34,8 @@ __all__ = [
     "Detectors", "LinkDetector", "LinkReading", "NcclDetector", "NcclReading", "PortReading",
     "PortsDetector", "RdmaDetector", "RdmaReading", "Readings",
 ]
+
+LINK_WINDOW = 0.5  # seconds the link's rates are averaged over (at least one tick)
 
 
 class Detectors:
@@ -51,7 +53,7 @@ class Detectors:
         """
         proc_root, sys_root = roots_from(backoff.roots)
         return cls(
-            link=LinkDetector(sys_root, interfaces) if link else None,
+            link=LinkDetector(sys_root, interfaces, window=LINK_WINDOW) if link else None,
             rdma=RdmaDetector(sys_root),
             ports=PortsDetector(backoff.training_ports, proc_root)
             if backoff.training_ports else None,
@@ -60,8 +62,7 @@ class Detectors:
             if backoff.nccl_processes else None,
         )
 
-    def sample(self, now: float,
-               distribution: Mapping[str, tuple[int, int]] | None = None) -> Readings:
+    def sample(self, now: float, distribution: Distribution | None = None) -> Readings:
         errors: list[str] = []
 
         def run(name: str, fn, *args):  # noqa: ANN001

@@ -128,6 +128,20 @@ def drive(argv: list[str]) -> int:
     from agent.units import parse_rate
     from shaping.backoff import pull_backoff
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if os.environ.get("YIELD_TRACE"):
+        import shaping.backoff as sb
+        orig = sb.BackoffLoop.tick
+        trace = open(os.environ["YIELD_TRACE"], "a")
+
+        def traced(self):
+            d = orig(self)
+            r = self.readings
+            dist = self.distribution() if self.distribution else None
+            print(f"{time.monotonic():.3f} {d.state} {d.rate_bps} dist={dist} links=" + str(
+                [(round(x.rx_bps / 1e6), round((x.distribution_bps or 0) / 1e6),
+                  round(x.other_bps / 1e6)) for x in r.links]), file=trace, flush=True)
+            return d
+        sb.BackoffLoop.tick = traced
     args = build_parser().parse_args(["pull", *argv])
     policy = load_policy(args.policy)
     rate = parse_rate(args.rate) if args.rate else None
@@ -182,9 +196,15 @@ def run(seconds: float, size: int, json_out: str | None) -> int:
             base = srv.url_for(link.a)
             tb.iperf3_server(origin, port=TRAIN_PORT)
             res = Results(seconds)
-            res.t0 = training_alone(tb, node, link, seconds)
+            first = training_alone(tb, node, link, seconds)
             res.aria2 = with_aria2c(tb, node, link, base, files, seconds, shm)
             res.wagent = with_wagent(tb, node, link, base, seconds, shm, WAGENT)
+            # T0 again at the end: on a shared machine the link's goodput drifts; the mean of a
+            # run before and one after is the fairer reference.
+            last = training_alone(tb, node, link, seconds)
+            res.t0 = Flow((first.mean + last.mean) / 2, (first.after2 + last.after2) / 2,
+                          first.intervals + last.intervals)
+            res.t0_runs = (first.mean, last.mean)
         res.print()
         if json_out:
             Path(json_out).write_text(json.dumps(res.as_dict(), indent=2) + "\n")
@@ -363,6 +383,7 @@ def with_wagent(tb: object, node: object, link: object, base: str, seconds: floa
 class Results:
     seconds: float
     t0: Flow | None = None
+    t0_runs: tuple[float, float] = (0.0, 0.0)
     aria2: Flow | None = None
     wagent: WagentRun | None = None
 
@@ -392,7 +413,9 @@ class Results:
               "(iperf3 -R, port 29500)\n")
         print("| run | training flow | vs T0 | after 2 s vs T0 | distribution meanwhile |")
         print("|---|---|---|---|---|")
-        print(f"| T0: training alone | {format_rate(t0.mean)} | 100% | 100% | - |")
+        print(f"| T0: training alone (mean of a run before, {format_rate(self.t0_runs[0])}, and "
+              f"one after, {format_rate(self.t0_runs[1])}) | {format_rate(t0.mean)} | 100% | "
+              "100% | - |")
         for name, f in (("aria2c -j8 beside it", a), ("wagent pull, backoff on", w.flow)):
             print(f"| {name} | {format_rate(f.mean)} | {100 * f.mean / t0.mean:.1f}% | "
                   f"{100 * f.after2 / t0.after2:.1f}% | {format_rate(f.dist or 0)} |")
@@ -404,6 +427,10 @@ class Results:
         print(f"distribution at the floor (<= 15 Mbit/s over 250 ms) {fa} after iperf3 started "
               f"(its first 64 KiB arrived at {fd})")
         print(f"pull back at 90% of the link {ba} after the flow ended\n")
+        for name, f in (("T0", t0), ("aria2c", a), ("wagent", w.flow)):
+            print(f"{name:>7} per second (Mbit/s): "
+                  + " ".join(f"{r / 1e6:.0f}" for _, _, r in f.intervals))
+        print()
         for name, ok in self.checks():
             print(f"  [{'ok' if ok else 'FAIL'}] {name}")
 

@@ -8,6 +8,7 @@ Goodput sits ~4.5% under the class rate: HTB counts Ethernet/IP/TCP headers, cur
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ def capped_goodput(tb, node, url: str, cap: int) -> None:
         seen.append(f"{got / MBIT:.1f}")
         assert got <= 1.0 * cap * MBIT, f"{seen} Mbit/s over the cap {cap}"
         if got >= 0.90 * cap * MBIT:
+            print(f"cap {cap} Mbit/s: goodput {seen} Mbit/s")
             return
     raise AssertionError(f"{seen} Mbit/s below 90% of the cap {cap}")
 
@@ -66,6 +68,9 @@ def test_ingress_cap_on_a_pulling_node(pair, cap):
     capped_goodput(tb, node, url, cap)
     other = tb.iperf3(node, server=link.a.ip4, port=5201, seconds=2, reverse=True)
     assert other.bps > 1.3 * cap * MBIT, f"port 5201 capped too: {other.bps / MBIT:.0f} Mbit/s"
+    if cap == 50:                        # IPv6 takes the same class (u32 at the fixed offset 40)
+        v6 = tb.goodput(node, srv.url_for(link.a.ip6) + "/big.bin", seconds=2)
+        assert 0.8 * cap * MBIT <= v6 <= cap * MBIT, f"IPv6: {v6 / MBIT:.1f} Mbit/s"
     shown = wagent(node, "shaping", "show", "--policy", policy).stdout
     assert f"ingress via wg-{link.b.ifname}"[:40] in shown and "8080" in shown
 
@@ -81,6 +86,9 @@ def test_egress_cap_on_a_serving_node(pair, cap):
     capped_goodput(tb, node, url, cap)
     other = tb.iperf3(node, server=link.a.ip4, port=5201, seconds=2, reverse=True)
     assert other.bps > 1.3 * cap * MBIT, f"port 5201 capped too: {other.bps / MBIT:.0f} Mbit/s"
+    if cap == 50:
+        v6 = tb.goodput(node, srv.url_for(link.a.ip6) + "/big.bin", seconds=2)
+        assert 0.8 * cap * MBIT <= v6 <= cap * MBIT, f"IPv6: {v6 / MBIT:.1f} Mbit/s"
 
 
 def test_training_flow_takes_the_link_and_gives_it_back(pair):
@@ -105,6 +113,8 @@ def test_training_flow_takes_the_link_and_gives_it_back(pair):
     back = first_time(distribution, t_end, lambda r: r >= 0.9 * rate)
     assert back is not None and back <= 2.0, f"distribution back after {back} s: {distribution}"
     assert training.bps > 0.8 * rate
+    print(f"training at 90% after {took:.2f} s (goodput {training.bps / MBIT:.0f} Mbit/s); "
+          f"distribution back after {back:.2f} s")
 
 
 def test_live_ceil_change_under_load_takes_effect_within_a_second(pair):
@@ -124,12 +134,21 @@ def test_live_ceil_change_under_load_takes_effect_within_a_second(pair):
         t_change = float(out.split()[-1])
         time.sleep(2.5)
         dist.wait(timeout=20)
+    stats = ("import json, sys; from agent.policy import load_policy; "
+             "from shaping.shaper import Shaper; p = load_policy(sys.argv[1]); "
+             "print(json.dumps([s.__dict__ for s in "
+             "Shaper(p.shaping, p.sources, p.state_dir).stats()]))")
+    counters = json.loads(origin.run([sys.executable, "-c", stats, str(policy)]).stdout)
+    dist_stats = next(c for c in counters if c["name"] == "distribution")
+    assert dist_stats["bytes"] > 50 * 10**6 and dist_stats["packets"] > 1000
+    assert {"drops", "overlimits", "backlog", "rate"} <= set(dist_stats)
     rates = s.rates("5747:20")
     assert any(r > 250 * MBIT for t, r in rates if t < t_change), rates
     took = first_time(rates, t_change, lambda r: r <= 55 * MBIT)
     assert took is not None and took <= 1.0, f"new ceil after {took} s: {rates}"
     after = [r for t, r in rates if t > t_change + 1.0]
     assert after and max(after) <= 55 * MBIT
+    print(f"300 -> 50 Mbit/s in effect after {took:.2f} s (0.5 s windows)")
 
 
 def test_apply_kill_apply_adopts_and_clear_restores(testbed):
@@ -157,6 +176,12 @@ def test_apply_kill_apply_adopts_and_clear_restores(testbed):
     (state / "shaping.json").unlink()
     again = wagent(node, "shaping", "apply", "--policy", policy)
     assert "adopted" in again.stderr and "nothing to change" in again.stdout
+    shown = json.loads(wagent(node, "shaping", "show", "--json", "--state-dir", state).stdout)
+    (entry,) = shown["interfaces"]
+    assert shown["version"] == 1 and entry["interface"] == ifname and entry["wagent"]
+    assert [c["name"] for c in entry["ingress"]["classes"]] == ["root", "default",
+                                                                 "distribution"]
+    assert entry["ingress"]["ports"]["ipv6"] == [443, 8080] and entry["redirect"]
     qdiscs = node.run(["tc", "qdisc", "show", "dev", ifname]).stdout
     assert qdiscs.count("htb 5747:") == 1 and qdiscs.count("ingress ffff:") == 1
     classes = node.run(["tc", "class", "show", "dev", ifname]).stdout
@@ -218,3 +243,22 @@ def test_errors_name_the_interface_and_the_capability(testbed):
                     "--policy", str(policy)], check=False)
     assert res.returncode == 1 and "CAP_NET_ADMIN" in res.stderr, res.stderr
     assert "AmbientCapabilities" in res.stderr
+
+
+def test_dry_run_prints_tc_commands_that_build_the_same_tree(testbed):
+    node, peer = testbed.host("node"), testbed.host("peer")
+    link = testbed.connect(node, peer)
+    before = snapshot(node)
+    state = testbed.tmpdir("state")
+    policy = write_policy(testbed.tmpdir("p") / "policy.yaml", link.a.ifname, state,
+                          link_rate="40gbit", rate="100mbit", ceil="36gbit",
+                          serve_ports=(8080, 9000), pull_ports=(443,))
+    dry = wagent(node, "shaping", "apply", "--policy", policy, "--dry-run").stdout
+    assert snapshot(node) == before and not (state / "shaping.json").exists()
+    assert dry.startswith(f"tc qdisc replace dev {link.a.ifname} root handle 5747: htb")
+    # Replayed by tc itself, the lines give exactly the tree wagent would have built.
+    node.run(["sh", "-e", "-c", dry])
+    again = wagent(node, "shaping", "apply", "--policy", policy)
+    assert "nothing to change" in again.stdout, again.stdout
+    wagent(node, "shaping", "clear", "--policy", policy)
+    assert snapshot(node) == before

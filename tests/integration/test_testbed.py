@@ -15,7 +15,7 @@ import pytest
 
 from tests.modelgen import generate
 from tests.testbed import REPO, WAGENT, Testbed
-from tests.testbed.owners import STATE_DIR, list_netns
+from tests.testbed.owners import STATE_DIR, list_netns, sweep
 
 pytestmark = [pytest.mark.netns, pytest.mark.debian]
 
@@ -205,7 +205,7 @@ def test_leaky(testbed):
     www = testbed.tmpdir("www")
     testbed.nginx(a, root=www, port=8080)
     testbed.iperf3_server(a, port=int(os.environ["TB_PORT"]))
-    b.popen(["sleep", "300"])
+    b.popen(["sh", "-c", "echo leaky-log-line; exec sleep 300"])
     Path(os.environ["TB_INFO"]).write_text(f"{testbed.prefix} {testbed.root}")
     if os.environ["TB_MODE"] == "hang":
         time.sleep(120)
@@ -227,7 +227,8 @@ def leftovers(prefix: str, root: str, port: int) -> list[str]:
     return found
 
 
-def run_leaky(tmp_path: Path, mode: str, sig: int | None = None) -> tuple[str, str, int, int]:
+def run_leaky(tmp_path: Path, mode: str,
+              sig: int | None = None) -> tuple[str, str, int, int, str]:
     (tmp_path / "test_leaky.py").write_text(LEAKY_TEST)
     info = tmp_path / "info"
     port = random.randrange(20000, 30000)  # concurrent runs of this test must not see each other
@@ -236,33 +237,43 @@ def run_leaky(tmp_path: Path, mode: str, sig: int | None = None) -> tuple[str, s
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
          "--rootdir", str(tmp_path), str(tmp_path / "test_leaky.py")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A shell without job control starts background jobs with SIGINT ignored, and python
+        # keeps it so; the child must feel Ctrl-C as an interactive pytest would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if sig is not None:
         deadline = time.monotonic() + 30
         while not info.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        sweep()  # what the killed run left
+        raise
     assert info.exists(), out
     prefix, root = info.read_text().split()
-    return prefix, root, port, proc.returncode
+    return prefix, root, port, proc.returncode, out
 
 
 def test_cleanup_after_a_failing_test(tmp_path):
-    prefix, root, port, rc = run_leaky(tmp_path, "fail")
+    prefix, root, port, rc, out = run_leaky(tmp_path, "fail")
     assert rc == 1
+    assert "leaky-log-line" in out  # the failed test's report shows its processes' logs
     assert leftovers(prefix, root, port) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cleanup_after_an_interrupt(tmp_path, sig):
-    prefix, root, port, rc = run_leaky(tmp_path, "hang", sig)
+    prefix, root, port, rc, _ = run_leaky(tmp_path, "hang", sig)
     assert rc != 0
     assert leftovers(prefix, root, port) == []
 
 
 def test_sweeper_removes_what_a_killed_run_left(tmp_path):
-    prefix, root, port, rc = run_leaky(tmp_path, "hang", signal.SIGKILL)
+    prefix, root, port, rc, _ = run_leaky(tmp_path, "hang", signal.SIGKILL)
     assert rc == -signal.SIGKILL
     assert leftovers(prefix, root, port)  # SIGKILL leaves everything behind ...
     with Testbed():  # ... until the next testbed starts and sweeps it

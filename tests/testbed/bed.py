@@ -20,9 +20,9 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ HOST_SYSCTLS = {
     "net.ipv4.tcp_wmem": f"4096 16384 {64 << 20}",
 }
 
-_LIVE: weakref.WeakSet[Testbed] = weakref.WeakSet()
+_LIVE: set[Testbed] = set()  # strong refs: a testbed nobody closed is still closed at exit
 _HANDLERS_INSTALLED = False
 
 
@@ -113,9 +113,22 @@ class Testbed:
         stop_processes(self._procs)
         for ns in reversed(self._namespaces):
             owners.delete_netns(ns)
-        shutil.rmtree(self.root, ignore_errors=True)
+        if os.environ.get("WAGENT_TESTBED_KEEP"):
+            # Kept for a post-mortem; the record goes, so the next sweep won't count it as ours.
+            print(f"testbed: kept {self.root} (WAGENT_TESTBED_KEEP is set)", file=sys.stderr)
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
         owners.release_prefix(self.prefix)
         _LIVE.discard(self)
+
+    def logs(self, tail: int = 2000) -> str:
+        """The last `tail` characters of every process log and nginx error log, for reports."""
+        parts = []
+        for path in sorted([*self._logs.glob("*.log"), *self.root.glob("nginx-*/error.log")]):
+            text = path.read_text(errors="replace").strip()
+            if text:
+                parts.append(f"--- {path.relative_to(self.root)}\n{text[-tail:]}")
+        return "\n".join(parts)
 
     def track(self, proc: subprocess.Popen) -> None:
         self._procs.append(proc)

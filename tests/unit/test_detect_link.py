@@ -116,3 +116,47 @@ def test_counter_delta_and_rates():
     assert c.rate("k", 1, 0, 0.0) is None
     assert c.rate("k", 1, 100, 0.0) is None                  # no time passed
     assert c.rate("k", 1, 300, 2.0) == 100.0
+
+
+def test_rates_are_averaged_over_the_window(tmp_path):
+    set_netdev(tmp_path, "eth0", 0, 0)
+    det = LinkDetector(tmp_path, ack_share=0.0, window=0.5)
+    det.sample(0.0, {"eth0": (0, 0)})
+    rx = dist = 0
+    others = []
+    for i in range(1, 11):
+        rx += 12_500_000                       # 1 Gbit/s over a 100 ms tick
+        dist += 12_500_000 if i != 3 else 10_000_000   # one tick's reads 20 ms apart
+        set_netdev(tmp_path, "eth0", rx, 0)
+        (r,) = det.sample(i / 10, {"eth0": (dist, 0)})
+        others.append(round(r.other_bps / 1e6))
+    # 200 Mbit/s over one tick is 40 Mbit/s over the 0.5 s window (more while the detector has
+    # seen less than the window), for the window's length.
+    assert others == [0, 0, 67, 50, 40, 40, 40, 0, 0, 0]
+
+
+def test_a_sudden_flow_crosses_the_threshold_within_a_tick(tmp_path):
+    set_netdev(tmp_path, "eth0", 0, 0)
+    det = LinkDetector(tmp_path, ack_share=0.0, window=0.5)
+    det.sample(0.0, {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", 0, 0)
+    det.sample(0.1, {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", 11_250_000, 0)            # 900 Mbit/s of training
+    (r,) = det.sample(0.2, {"eth0": (0, 0)})
+    assert r.other_bps == pytest.approx(450e6)             # over the 0.2 s seen so far
+
+
+def test_distribution_callable_is_read_between_two_link_reads(tmp_path):
+    set_netdev(tmp_path, "eth0", 0, 0)
+    det = LinkDetector(tmp_path, ack_share=0.0)
+    det.sample(0.0, lambda: {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", 100 * MB, 0)
+
+    def slow_stats():
+        # The link moves on by 10 MB while the class counters are read (a busy host).
+        set_netdev(tmp_path, "eth0", 110 * MB, 0)
+        return {"eth0": (105 * MB, 0)}
+
+    (r,) = det.sample(1.0, slow_stats)
+    assert r.other_bps == 0.0
+    assert r.rx_bps == 105 * MB * 8

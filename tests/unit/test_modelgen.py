@@ -62,6 +62,12 @@ def test_layout_has_small_tensor_groups_and_header_alignment(model):
     root, spec = model
     small = [t for t in spec.tensors if len(t.shape) == 1]
     assert small and all(t.size == 64 * 2 for t in small)
+    runs = [a.name for a, b in zip(spec.tensors, spec.tensors[1:], strict=False)
+            if a.file == b.file and len(a.shape) == len(b.shape) == 1]
+    assert runs  # consecutive small tensors, as a manifest's piece grouping will meet them
+    for shard in spec.shards():
+        names = [t.name for t in spec.tensors if t.file == shard]
+        assert names == sorted(names)  # the safetensors library's own order
     for shard in spec.shards():
         raw = (root / shard).read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
@@ -171,3 +177,12 @@ def test_generate_sized_and_cli(tmp_path, capsys):
     assert len(spec.shards()) == 4
     assert main([str(tmp_path / "c"), "--size", "1MiB", "--shards", "2"]) == 0
     assert "2 shards" in capsys.readouterr().out
+
+
+def test_hardlinked_next_version_shares_unchanged_shards(model, tmp_path):
+    root, old = model
+    new = next_version(root, tmp_path / "v2", change_layers=[0], hardlink=True)
+    touched = {new.tensor(n).file for n in new.changed}
+    for f in old.shards():
+        linked = (root / f).stat().st_ino == (tmp_path / "v2" / f).stat().st_ino
+        assert linked == (f not in touched), f

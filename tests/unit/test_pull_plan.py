@@ -54,3 +54,11 @@ def test_requests_batch_consecutive_pieces_up_to_size():
         ("1", 0, 10), ("1", 30, 70), ("2", 0, 5), ("3", 0, 7)]
     reqs = requests_for(p, request_size=50)
     assert [(r.offset, r.size) for r in reqs][:3] == [(0, 10), (30, 30), (60, 40)]
+
+
+def test_the_tail_goes_one_piece_per_request():
+    p = plan(M, blobs=set(), piece_index={}, journals={})
+    reqs = requests_for(p, request_size=1000, tail=4)
+    assert [(r.sha256[0], r.offset, r.size) for r in reqs] == [
+        ("1", 0, 30), ("1", 30, 30), ("1", 60, 40), ("2", 0, 5), ("3", 0, 7)]
+    assert len(requests_for(p, request_size=1000)) == 3

@@ -1,0 +1,127 @@
+"""Benchmark 1: does a pull scale with streams when the origin caps each connection?
+
+The seed experiment scaled down, on the testbed: an origin that gives one connection R over a link
+of 10 R (HTB), a model of 16 or more shards, and a node pulling it with
+wagent at 1, 2, 4 and 8 streams, and with ``aria2c -j8 -x1`` (one connection per file, 8 files at
+once) on the same files, every client writing to tmpfs so this machine's disk isn't measured; one
+more wagent row writes to disk. Throughput is bytes over the time the transfer took (wagent: from
+the first request to the published version, as the engine reports it; aria2c: its process).
+
+    python tests/bench/scaling.py [--rate 5MB/s] [--size 64MiB] [--shards 16] [--quick]
+
+The per-connection cap R: ``--cap flow`` (default) gives every TCP connection its own HTB class at
+R under the link's class on the origin: the node's ephemeral ports are narrowed to 256 and a u32
+hash on the low byte of the destination port picks the class, so no two connections ever share
+one (this kernel has no fq for ``maxrate``). ``--cap nginx`` uses nginx's
+``limit_rate R`` instead; nginx grants each *request* one second of credit (its limit is
+``R x (elapsed + 1 s)``), so a client making many range requests smaller than R x 1 s is hardly
+capped by it at all, which flatters any client that splits files into requests.
+
+Target: 8 streams >= 7.2x one stream, and >= 0.95x aria2c -j8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def per_flow_classes(ifname: str, rate: int) -> str:
+    """tc batch: under HTB class 1:1 (the link), one class at ``rate`` per low byte of the TCP
+    destination port (the node's port), chosen by a 256-bucket u32 hash table."""
+    lines = [f"qdisc del dev {ifname} parent 1:1 handle 10:",
+             f"filter add dev {ifname} parent 1: prio 1 handle 2: protocol ip u32 divisor 256",
+             f"filter add dev {ifname} parent 1: prio 1 protocol ip u32 ht 800:: match ip "
+             "protocol 6 0xff hashkey mask 0x000000ff at 20 link 2:"]
+    for i in range(256):
+        cls = f"1:{0x100 + i:x}"
+        lines.append(f"class add dev {ifname} parent 1:1 classid {cls} htb rate {rate}bit "
+                     f"ceil {rate}bit")
+        lines.append(f"filter add dev {ifname} parent 1: prio 1 protocol ip u32 ht 2:{i:x}: "
+                     f"match ip protocol 6 0xff flowid {cls}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rate", default="5MB/s", help="per-connection limit R (nginx limit_rate)")
+    ap.add_argument("--size", default="64MiB", help="model size")
+    ap.add_argument("--piece-size", default="1MiB", help="publisher's piece size")
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--cap", choices=("flow", "nginx"), default="flow")
+    ap.add_argument("--quick", action="store_true", help="32MiB, for a smoke run")
+    args = ap.parse_args(argv)
+
+    from agent.units import format_size, parse_rate, parse_size
+    from tests import modelgen
+    from tests.pull_helpers import publish_dir, pull_in
+    from tests.testbed import Testbed
+
+    per_conn = parse_rate(args.rate)                 # bits/s
+    size = parse_size("32MiB" if args.quick else args.size)
+    rows: list[tuple[str, float, float]] = []
+    shm = Path(tempfile.mkdtemp(prefix="wagent-bench-scaling-", dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp(prefix="wagent-bench-scaling-", dir="/var/tmp"))
+    try:
+        version = shm / "origin" / "m" / "v1"
+        modelgen.generate_sized(version, size, shards=args.shards)
+        # Pieces scaled down with the model: 1 MiB pieces of 64 MiB are 64 MiB pieces of 4 GiB.
+        publish_dir(version, piece_size=parse_size(args.piece_size))
+        files = sorted(p.name for p in version.iterdir() if p.name != "manifest.json")
+        total = sum((version / f).stat().st_size for f in files)
+        with Testbed() as tb:
+            origin, node = tb.host("origin"), tb.host("node")
+            link = tb.connect(origin, node, rate=per_conn * 10)
+            if args.cap == "flow":
+                node.sysctl(**{"net.ipv4.ip_local_port_range": "40000 40255"})
+                origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, per_conn))
+            srv = tb.nginx(origin, root=shm / "origin", port=8080,
+                           limit_rate=per_conn // 8 if args.cap == "nginx" else None)
+            url = f"{srv.url_for(link.a)}/m/v1"
+
+            def wagent(streams: int, where: Path, label: str) -> None:
+                store = where / f"store-{streams}-{time.monotonic_ns()}"
+                r = pull_in(node, url, store, streams)
+                assert r["fetched"] == r["total"] == total, r
+                rows.append((label, r["seconds"], total / r["seconds"]))
+                shutil.rmtree(store)
+
+            for n in (1, 2, 4, 8):
+                wagent(n, shm, f"wagent --streams {n} (tmpfs)")
+            out = shm / "aria2"
+            out.mkdir()
+            (shm / "urls.txt").write_text("".join(f"{url}/{f}\n  out={f}\n" for f in files))
+            t = time.monotonic()
+            node.run(["aria2c", "-q", "-j8", "-x1", "-s1", "-d", str(out), "-i",
+                      str(shm / "urls.txt"), "--allow-overwrite=true",
+                      "--auto-file-renaming=false", "--file-allocation=falloc"], timeout=900)
+            took = time.monotonic() - t
+            rows.append(("aria2c -j8 -x1 (tmpfs)", took, total / took))
+            shutil.rmtree(out)
+            wagent(8, disk, "wagent --streams 8 (disk)")
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    one = rows[0][2]
+    aria = next(r[2] for r in rows if r[0].startswith("aria2c"))
+    print(f"Scaling: {format_size(total)} in {len(files)} files, {per_conn / 8e6:.1f} MB/s per "
+          f"connection ({args.cap}), link {per_conn * 10 / 1e6:.0f} Mbit/s")
+    print(f"{'client':30} {'seconds':>8} {'MB/s':>8} {'x 1 stream':>10} {'x aria2c':>9}")
+    for label, secs, bps in rows:
+        print(f"{label:30} {secs:8.2f} {bps / 1e6:8.2f} {bps / one:10.2f} {bps / aria:9.2f}")
+    eight = rows[3][2]
+    ok = eight / one >= 7.2 and eight / aria >= 0.95
+    print(f"result: 8 streams = {eight / one:.2f}x one stream (target >= 7.2), "
+          f"{eight / aria:.2f}x aria2c -j8 (target >= 0.95): {'PASS' if ok else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""The adapter's parsers and encoder on recorded kernel dumps (no root, no kernel needed).
+
+The dumps come from a real apply (see data/netlink/README.md); they carry TCA_HTB_RATE64/CEIL64
+attributes that Debian's pyroute2 0.7.2 can't decode by itself: run this file under
+/usr/bin/python3 as well.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from agent.policy_model import Shaping
+from shaping.netlink import (
+    RTM_NEWQDISC,
+    _tc_error,
+    class_message,
+    decode,
+    parse_class,
+    parse_filter,
+    parse_qdisc,
+)
+from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, Qdisc
+from shaping.plan import (
+    DIST_CLASS,
+    ETH_P_ALL,
+    ETH_P_IP,
+    ETH_P_IPV6,
+    ROOT_HANDLE,
+    build_plan,
+    sport_keys_v4,
+)
+from shaping.reconcile import reconcile
+
+DATA = Path(__file__).parent / "data" / "netlink"
+GBIT = 10**9
+POLICY = Shaping(enabled=True, interfaces=("veth0",), link_rate=400 * GBIT, rate=GBIT,
+                 ceil=100 * GBIT, serve_ports=(8080, 9000), pull_ports=(443,))
+
+
+def raws(name: str) -> list[bytes]:
+    return [bytes.fromhex(line) for line in (DATA / f"{name}.hex").read_text().split()]
+
+
+def recorded_veth0() -> Device:
+    qdiscs = tuple(q for i, q in map(parse_qdisc, raws("qdiscs")) if i == 3)
+    classes = tuple(c for _, (c, _st) in map(parse_class, raws("classes_veth0")))
+    filters = tuple(f for _, f in (parse_filter(r, ROOT_HANDLE)
+                                   for r in raws("filters_veth0_root")) if f)
+    filters += tuple(f for _, f in (parse_filter(r, 0xFFFF0000)
+                                    for r in raws("filters_veth0_ingress")) if f)
+    return Device("veth0", True, 3, "veth", True, 1000, qdiscs, classes, filters)
+
+
+def test_qdiscs():
+    parsed = [parse_qdisc(r) for r in raws("qdiscs")]
+    assert (3, Qdisc("htb", ROOT_HANDLE, TC_H_ROOT, 0x10)) in parsed
+    assert (3, Qdisc("ingress", 0xFFFF0000, TC_H_INGRESS, 0)) in parsed
+
+
+def test_classes_with_64_bit_rates():
+    by_id = {c.classid: c for _, (c, _st) in map(parse_class, raws("classes_veth0"))}
+    dist = by_id[DIST_CLASS]
+    assert (dist.rate, dist.ceil, dist.prio) == (GBIT // 8, 100 * GBIT // 8, 7)
+    assert by_id[ROOT_HANDLE | 1].ceil == 400 * GBIT // 8
+    assert by_id[ROOT_HANDLE | 1].parent == ROOT_HANDLE
+
+
+def test_filters_ports_and_redirect():
+    root = [f for _, f in (parse_filter(r, ROOT_HANDLE) for r in raws("filters_veth0_root")) if f]
+    knodes = [f for f in root if f.handle & 0xFFF]
+    assert {(f.protocol, f.handle & 0xFFF) for f in knodes} == {
+        (ETH_P_IP, 1), (ETH_P_IP, 2), (ETH_P_IPV6, 1), (ETH_P_IPV6, 2)}
+    assert next(f for f in knodes if f.protocol == ETH_P_IP and f.handle & 0xFFF == 1).keys \
+        == sport_keys_v4(8080)
+    ingress = [f for _, f in (parse_filter(r, 0xFFFF0000)
+                              for r in raws("filters_veth0_ingress")) if f and f.handle & 0xFFF]
+    assert [(f.protocol, f.redirect_ifindex) for f in ingress] == [(ETH_P_ALL, 4)]
+
+
+def test_recorded_state_reconciles_to_nothing():
+    ip = build_plan(POLICY).interfaces[0]
+    egress_only = type(ip)(ip.interface, ip.egress, None)
+    assert reconcile(egress_only, {"veth0": recorded_veth0()}, False) == ([], [])
+
+
+def test_class_message_round_trip_above_2_to_the_32_bytes_per_second():
+    dist = build_plan(POLICY).interfaces[0].egress.distribution()
+    msg = class_message(3, dist, create=True)
+    msg["header"]["type"] = 40
+    msg.encode()
+    index, (cls, _stats) = parse_class(bytes(msg.data))
+    assert index == 3 and dist.matches(cls)
+    assert decode(bytes(msg.data)).get_attr("TCA_RATE") is not None
+
+
+def test_error_words():
+    e = _tc_error(errno.EPERM, "", "htb on eth0", "htb", RTM_NEWQDISC)
+    assert "CAP_NET_ADMIN" in str(e) and "AmbientCapabilities" in str(e)
+    e = _tc_error(errno.ENOENT, "Specified qdisc kind is unknown", "htb on eth0", "htb",
+                  RTM_NEWQDISC)
+    assert "modprobe sch_htb" in str(e)
