@@ -58,4 +58,6 @@ deb:
 
 .PHONY: deb-check
 deb-check: deps deb
+	@dpkg -s systemd-container >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd-container; }
 	packaging/check-deb.sh

@@ -30,7 +30,7 @@ from agent import schedule
 from agent.control import ControlServer
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import published_ts
-from agent.metrics import Metrics
+from agent.metrics import Metrics, MetricsError
 from agent.policy import load_policy
 from agent.policy_model import Model, Policy
 from agent.puller import Progress, Puller, PullerDeps, Window
@@ -69,6 +69,9 @@ class Parts:
     metrics: Metrics | None = None
     ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
     shaping_notes: tuple[str, ...] = ()  # what the last apply said
+    metrics_error: str | None = None
+    # The shaper's netlink socket is used from the backoff thread, the main loop and control
+    # threads: one at a time.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -116,8 +119,7 @@ class Application:
             parts.control = ControlServer(policy.control.socket, controller,
                                           group=policy.control.group)
             parts.control.start()
-            parts.metrics = Metrics(policy.metrics)
-            parts.metrics.start()
+            parts.metrics = self._start_metrics(parts, policy)
         except BaseException:
             self.stop(parts, 2.0)
             raise
@@ -150,7 +152,8 @@ class Application:
         os.makedirs(new.state_dir, exist_ok=True)
         # Shaping first: if the kernel refuses the new tree, nothing else has changed yet.
         had_shaper = parts.shaper is not None
-        self._apply_shaping(parts, new, old)
+        with parts.lock:
+            self._apply_shaping(parts, new, old)
         parts.policy = new
         parts.identity = self.identify(new)
         self._reconcile_backoff(parts, old, had_shaper)
@@ -163,9 +166,21 @@ class Application:
             parts.control.start()
         if parts.metrics is not None and new.metrics != old.metrics:
             parts.metrics.stop()
-            parts.metrics = Metrics(new.metrics)
-            parts.metrics.start()
+            parts.metrics = self._start_metrics(parts, new)
         return parts
+
+    @staticmethod
+    def _start_metrics(parts: Parts, policy: Policy) -> Metrics:
+        """Metrics are worth a warning, not a node that stops pulling: a taken port leaves the
+        daemon running, degraded, with the reason in status."""
+        metrics = Metrics(policy.metrics)
+        try:
+            metrics.start()
+            parts.metrics_error = None
+        except MetricsError as e:
+            log.error("%s", e)
+            parts.metrics_error = str(e)
+        return metrics
 
     # -- shaping and backoff -----------------------------------------------------------------
     def _apply_shaping(self, parts: Parts, new: Policy, old: Policy | None = None) -> None:
@@ -191,16 +206,15 @@ class Application:
             parts.shaper = None
             parts.ceil_bps = None
             parts.shaping_notes = ()
-        if was is not None:
-            # sweep: interfaces (or all shaping) the new policy no longer declares
-            gone = [i for i in was.interfaces
-                    if not new.shaping.enabled or i not in new.shaping.interfaces]
-            if gone:
-                from shaping.shaper import Shaper
+        if was is not None and not new.shaping.enabled:
+            # sweep: shaping no longer declared at all. (Interfaces dropped from a policy that
+            # still shapes are swept by Shaper.apply itself, from its state records.)
+            from shaping.shaper import Shaper
 
-                assert old is not None
-                Shaper(replace(was, interfaces=tuple(gone)), old.sources, old.state_dir).clear()
-                log.info("caps cleared on %s (no longer in the policy)", ", ".join(gone))
+            assert old is not None
+            Shaper(was, old.sources, old.state_dir).clear()
+            log.info("shaping disabled by the new policy: caps cleared on %s",
+                     ", ".join(was.interfaces))
 
     def _reconcile_backoff(self, parts: Parts, old: Policy, had_shaper: bool) -> None:
         """Retune the running loop in place where possible: restarting it would forget that
@@ -229,13 +243,15 @@ class Application:
         from shaping.backoff import start_for_pull
 
         def set_ceil(bps: int) -> None:
-            assert parts.shaper is not None
-            parts.shaper.set_ceil(bps)
-            parts.ceil_bps = bps
+            with parts.lock:
+                assert parts.shaper is not None
+                parts.shaper.set_ceil(bps)
+                parts.ceil_bps = bps
 
         def stats() -> Any:
-            assert parts.shaper is not None
-            return parts.shaper.stats()
+            with parts.lock:
+                assert parts.shaper is not None
+                return parts.shaper.stats()
 
         class _Shaper:
             """The shaper the loop sees: always the current one (a reload replaces it), and
@@ -332,8 +348,12 @@ class Application:
     def workers(self, parts: Parts) -> dict[str, bool]:
         alive = {"puller": parts.puller.alive()}
         if parts.backoff is not None:
-            t = getattr(parts.backoff, "_thread", None)
-            alive["backoff"] = t is not None and t.is_alive()
+            probe = getattr(parts.backoff, "alive", None)   # BackoffLoop.alive(), once it lands
+            if probe is not None:
+                alive["backoff"] = bool(probe())
+            else:
+                t = getattr(parts.backoff, "_thread", None)
+                alive["backoff"] = t is not None and t.is_alive()
         if parts.control is not None:
             alive["control"] = parts.control.alive()
         return alive
@@ -372,6 +392,8 @@ class Application:
         w = parts.puller.window()
         return replace(
             base, paused=parts.puller.paused, node=node,
+            errors=base.errors + tuple(e for e in (parts.metrics_error, parts.puller.pass_error)
+                                       if e),
             shaping=self._shaping_info(parts), backoff=self._backoff_info(parts),
             pulls=parts.puller.snapshot(),
             window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
@@ -382,8 +404,9 @@ class Application:
         if parts.shaper is None:
             return ShapingInfo(enabled=False)
         try:
-            interfaces = shaped_interfaces(parts.shaper.stats(), parts.shaper.plan(),
-                                           parts.ceil_bps)
+            with parts.lock:   # one netlink socket; the backoff thread uses it too
+                interfaces = shaped_interfaces(parts.shaper.stats(), parts.shaper.plan(),
+                                               parts.ceil_bps)
             error = None
         except Exception as e:
             interfaces, error = (), f"reading the tc counters failed: {e}"

@@ -174,7 +174,12 @@ class Daemon:
             self.app.supervise(self.parts)
         except Exception as e:
             self._error("supervise", f"supervising the workers failed: {e}")
-        doc = self.status()
+        try:
+            doc = self.status()
+        except Exception as e:  # a bad read must not stop the daemon; the watchdog still runs
+            log.exception("building the status failed")
+            self._error("status", f"building the status failed: {e}")
+            return
         self.notifier.status(one_line(doc))
         for name, alive in doc["daemon"]["workers"].items():
             if not alive and name not in self._dead_reported:

@@ -92,6 +92,7 @@ class Puller:
         self._samples: deque[tuple[float, int]] = deque()
         self._engine_rate: float | None = None
         self.failures_total = 0         # failed pulls since start (metrics)
+        self.pass_error: str | None = None
         self._thread: threading.Thread | None = None
         self._sync_models()
 
@@ -168,8 +169,10 @@ class Puller:
         while not self._stop.is_set():
             try:
                 wait = self._pass()
-            except Exception:  # a bug in one pass must not kill the worker; status shows it
+                self.pass_error = None
+            except Exception as e:  # one bad pass must not kill the worker; status shows it
                 log.exception("puller pass failed")
+                self.pass_error = f"the pull worker failed a pass (retrying): {e}"
                 wait = 10.0
             self._wake.wait(max(0.05, wait))
             self._wake.clear()

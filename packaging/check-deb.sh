@@ -13,6 +13,8 @@
 #     the same .deb) leaves the caps alone; apt-get purge clears the tc state there, and leaves no
 #     files but those Debian's policy keeps
 #     (the wagent system user; /etc/wagent/policy.yaml, config management's file)
+#  6. the unit under a real systemd, booted in a throwaway container: packaging/check-unit-systemd.sh
+#     (when systemd-nspawn is installed; WAGENT_CHECK_SYSTEMD=0 skips it)
 #
 # A subcommand that still answers "not implemented yet" makes its step say SKIP, not fail; the
 # step turns on by itself once the subcommand lands.
@@ -215,6 +217,15 @@ fi
 # Kept on purge on purpose (see wagent(8), FILES): the system user, and the policy if present.
 echo "kept as Debian practice has it: user $(getent passwd wagent | cut -d: -f1,3)" \
     "$( [ -e /etc/wagent/policy.yaml ] && echo '; /etc/wagent/policy.yaml (config management)')"
+
+step "the unit under a real systemd (packaging/check-unit-systemd.sh)"
+if [ "${WAGENT_CHECK_SYSTEMD:-1}" = 0 ]; then
+    skip "WAGENT_CHECK_SYSTEMD=0"
+elif ! command -v systemd-nspawn >/dev/null; then
+    skip "needs systemd-nspawn: apt-get install systemd-container"
+else
+    "$root/packaging/check-unit-systemd.sh" "$deb" || fail "the unit misbehaved under systemd"
+fi
 
 if [ "$failed" != 0 ]; then
     echo; echo "check-deb: FAILED (see above)" >&2

@@ -12,7 +12,8 @@
 #   - an upgrade restarts the daemon and the caps stay (one tree, adopted); removal clears them;
 #     purge removes the state and keeps /etc/wagent/policy.yaml and the user.
 # Needs systemd-container (systemd-nspawn), nginx, iperf3; works with or without systemd on the
-# host (nspawn runs with --register=no --keep-unit). check-deb.sh runs it with WAGENT_CHECK_SYSTEMD=1.
+# host (nspawn runs with --register=no --keep-unit). check-deb.sh runs it when systemd-nspawn is
+# installed, unless WAGENT_CHECK_SYSTEMD=0.
 set -eu
 
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
@@ -26,7 +27,9 @@ if [ -z "$deb" ]; then
 fi
 die() { echo "check-unit-systemd: FAIL: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root"
-[ -n "$deb" ] && [ -f "$deb" ] || die "no .deb given and none in build/deb/; run 'make deb' first"
+if [ -z "$deb" ] || [ ! -f "$deb" ]; then
+    die "no .deb given and none in build/deb/; run 'make deb' first"
+fi
 for tool in systemd-nspawn nginx iperf3; do
     command -v "$tool" >/dev/null || die "needs $tool (apt-get install systemd-container nginx-light iperf3)"
 done

@@ -1,1 +1,1 @@
-"""Kernel-side shaping (HTB through pyroute2), training-traffic detectors and the backoff controller."""
+"""Kernel-side shaping (HTB via pyroute2), traffic detectors and the backoff controller."""

@@ -15,8 +15,10 @@ from shaping.errors import PlanError
 from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, Qdisc
 from shaping.plan import (
     DEFAULT_KINDS,
+    ETH_P_ALL,
     INGRESS_HANDLE,
     MAJOR,
+    PREF_REDIRECT,
     RESTORABLE_KINDS,
     Action,
     AddIngress,
@@ -171,8 +173,12 @@ def clear(interface: str, ifb: str, devices: Mapping[str, Device],
     notes: list[str] = []
     if dev.exists:
         ing = dev.ingress()
-        ours = box.exists and any(f.redirect_ifindex == box.index for f in dev.filters
-                                  if f.parent == INGRESS_HANDLE)
+        # A redirect to wagent's IFB, or of wagent's shape to a device that is gone (it would
+        # drop every packet arriving on the interface if left behind).
+        ours = any(f.parent == INGRESS_HANDLE and f.redirect_ifindex
+                   and (f.redirect_ifindex == box.index if box.exists
+                        else (f.pref, f.protocol) == (PREF_REDIRECT, ETH_P_ALL))
+                   for f in dev.filters)
         if ing is not None and ing.kind == "ingress" and ours:
             actions.append(DeleteQdisc(interface, TC_H_INGRESS, INGRESS_HANDLE, "ingress"))
     if box.exists and box.kind == "ifb":

@@ -75,6 +75,12 @@ class Shaper:
         self._live = _Live()
         self._nl: Netlink | None = None
 
+    @property
+    def ceil(self) -> int:
+        """The distribution classes' ceil now: the last set_ceil(), else the policy's."""
+        return self._live.ceil if self._live.ceil is not None else max(self._shaping.ceil,
+                                                                       self._shaping.rate)
+
     def plan(self) -> Plan:
         """The policy's plan, with the ceil the backoff controller last set."""
         if self._live.ceil is None:
@@ -108,9 +114,10 @@ class Shaper:
                 notes += why
                 root = devices[ip.interface].root()
                 if ip.interface not in records and is_wagent_root(root):
+                    # Ours from before a crash or a lost state dir: taken on, never stacked.
                     adopted.append(ip.interface)
-                    notes.append(f"{ip.interface}: adopted wagent's existing tree (handle 5747:)")
-                if steps and ip.interface not in records:
+                    log.info("%s: adopted wagent's existing tree (handle 5747:)", ip.interface)
+                if (steps or ip.interface in adopted) and ip.interface not in records:
                     original = (None if root is None or is_wagent_root(root)
                                 else Original(root.kind, root.handle))
                     records[ip.interface] = state.Record(ip.interface, original, ip.ifb)
@@ -130,6 +137,7 @@ class Shaper:
         for note in notes:
             log.warning("%s", note)
         self._live.indexes.clear()
+        notes += [f"{name}: adopted wagent's existing tree (handle 5747:)" for name in adopted]
         return ApplyReport(tuple(actions), tuple(notes), dry_run, tuple(adopted))
 
     def set_ceil(self, bits_per_s: int) -> None:

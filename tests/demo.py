@@ -64,10 +64,11 @@ def write_policy(path: Path, source: str, ifname: str, run_dir: Path) -> None:
 
 
 def status(node: Any, sock: Path) -> dict[str, Any]:
-    out = node.run([WAGENT, "status", "--json", "--socket", str(sock)], check=False, timeout=10)
     try:
+        out = node.run([WAGENT, "status", "--json", "--socket", str(sock)], check=False,
+                       timeout=10)
         return json.loads(out.stdout)
-    except ValueError:
+    except (ValueError, subprocess.TimeoutExpired):
         return {"running": False}
 
 

@@ -58,13 +58,28 @@ def free_port() -> int:
 class LoopbackNginx:
     """nginx serving ``root`` on 127.0.0.1 (started and stopped by this object)."""
 
-    def __init__(self, root: Path, limit_rate: str | None = None) -> None:
+    def __init__(self, root: Path, limit_rate: str | None = None, tls: bool = False,
+                 forward_proxy: bool = False) -> None:
         self.root = Path(root)
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="wagent-nginx-"))
+        self.tls = tls
         extra = f"limit_rate {limit_rate};" if limit_rate else ""
+        if tls:
+            # A self-signed certificate for 127.0.0.1; ``ca_bundle`` is the file to trust.
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days",
+                            "2", "-subj", "/CN=127.0.0.1", "-addext",
+                            "subjectAltName=IP:127.0.0.1", "-keyout", str(self.dir / "key.pem"),
+                            "-out", str(self.dir / "cert.pem")], check=True,
+                           capture_output=True)
+            extra += (f"ssl_certificate {self.dir}/cert.pem; "
+                      f"ssl_certificate_key {self.dir}/key.pem;")
+        if forward_proxy:
+            # An HTTP proxy: requests arrive with absolute URIs, go on to the host they name.
+            extra += "location / { proxy_pass http://$http_host; }"
         (self.dir / "nginx.conf").write_text(NGINX_CONF.format(
-            dir=self.dir, port=self.port, root=self.root.resolve(), extra=extra))
+            dir=self.dir, port=f"{self.port}{' ssl' if tls else ''}", root=self.root.resolve(),
+            extra=extra))
         user = "user root;\n" if os.geteuid() == 0 else ""
         if user:
             conf = self.dir / "nginx.conf"
@@ -86,7 +101,11 @@ class LoopbackNginx:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_bundle(self) -> str:
+        return str(self.dir / "cert.pem")
 
     def bytes_sent(self, prefix: str = "") -> int:
         total = 0
@@ -161,7 +180,14 @@ class FaultyServer:
                 except OSError:
                     pass                    # the client went away first: that's its right
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def shutdown_request(self, request: object) -> None:
+                try:
+                    super().shutdown_request(request)
+                except OSError:
+                    pass                    # a socket the fault already broke
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

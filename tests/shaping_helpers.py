@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,11 +33,12 @@ while True:
 
 def write_policy(path: Path, interface: str, state_dir: Path, *, link_rate: str, rate: str,
                  ceil: str, serve_ports: tuple[int, ...] = (), pull_ports: tuple[int, ...] = (),
-                 sources: tuple[str, ...] = (), take_over: bool = False) -> Path:
+                 sources: tuple[str, ...] = (), take_over: bool = False,
+                 enabled: bool = True) -> Path:
     doc = {
         "version": 1,
         "sources": [{"url": u} for u in sources],
-        "shaping": {"enabled": True, "interfaces": [interface], "link_rate": link_rate,
+        "shaping": {"enabled": enabled, "interfaces": [interface], "link_rate": link_rate,
                     "rate": rate, "ceil": ceil, "serve_ports": list(serve_ports),
                     "pull_ports": list(pull_ports), "priority": 7, "take_over": take_over},
         "state_dir": str(state_dir),
@@ -91,9 +93,10 @@ class Sampler:
         return out
 
 
-def first_time(rates: list[tuple[float, float]], after: float, ok: callable) -> float | None:
-    """Seconds from `after` until a rate first satisfies `ok` and keeps doing so until the next
-    sample (a single window is enough: windows overlap)."""
+def first_time(rates: list[tuple[float, float]], after: float,
+               ok: Callable[[float], bool]) -> float | None:
+    """Seconds from `after` to the end of the first window whose rate satisfies `ok` (an upper
+    bound: the window may have got there earlier)."""
     for t, r in rates:
         if t >= after and ok(r):
             return t - after

@@ -30,7 +30,7 @@ from agent.manifest import (
 from agent.policy_model import Pulls, Source
 from agent.pull import plan as planning
 from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, url_for
-from agent.pull.journal import Partial
+from agent.pull.journal import Partial, PartialBusy
 from agent.pull.transfer import FileState, PullError, PullStopped, Settings, Transfer
 from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError
@@ -191,9 +191,17 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     first: dict[str, str] = {}
     for f in m.files:
         first.setdefault(f.sha256, f.path)
-    partials = {sha: Partial(store.partial, sha, next(f.size for f in m.files if f.sha256 == sha),
-                             durable=options.durable)
-                for sha in first if sha not in blobs}
+    partials: dict[str, Partial] = {}
+    try:
+        for sha in first:
+            if sha not in blobs:
+                partials[sha] = Partial(store.partial, sha,
+                                        next(f.size for f in m.files if f.sha256 == sha),
+                                        durable=options.durable)
+    except PartialBusy as e:
+        for part in partials.values():
+            part.close()
+        raise PullError(str(e)) from None
     try:
         p = planning.plan(m, blobs, store.piece_index() if partials else {},
                           {sha: part.done for sha, part in partials.items()})

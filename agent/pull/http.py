@@ -13,6 +13,7 @@ import base64
 import re
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import requests
@@ -86,9 +87,12 @@ class Client:
         s.mount("https://", HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
         s.headers["User-Agent"] = USER_AGENT
         s.headers["Accept-Encoding"] = "identity"     # byte ranges of the file, never of a gzip
-        s.verify = source.ca_bundle or True
-        if source.proxy:
-            s.proxies = {"http": source.proxy, "https": source.proxy}
+        # Passed with every request: a session-level verify loses to REQUESTS_CA_BUNDLE and
+        # CURL_CA_BUNDLE from the environment (requests issue 3829).
+        self.verify: str | bool = source.ca_bundle or True
+        s.verify = self.verify
+        # Also per request: session-level proxies lose to *_PROXY from the environment.
+        self.proxies = {"http": source.proxy, "https": source.proxy} if source.proxy else None
         if source.credentials:
             s.headers["Authorization"] = read_credentials(source.credentials)
         self.session = s
@@ -96,11 +100,14 @@ class Client:
     def close(self) -> None:
         self.session.close()
 
+    def _per_request(self) -> dict[str, Any]:
+        return {"verify": self.verify, "proxies": self.proxies,
+                "timeout": (self.timeouts.connect, self.timeouts.read)}
+
     def get_small(self, url: str, limit: int) -> bytes:
         """A whole small document (manifest, ``latest``), at most ``limit`` bytes."""
         try:
-            with self.session.get(url, stream=True,
-                                  timeout=(self.timeouts.connect, self.timeouts.read)) as r:
+            with self.session.get(url, stream=True, **self._per_request()) as r:
                 if r.status_code != 200:
                     raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
                 body = r.raw.read(limit + 1, decode_content=True)
@@ -111,7 +118,7 @@ class Client:
             raise FetchError(f"{redact(url)}: {_why(e)}") from None
 
     def ranged(self, url: str, offset: int, size: int, etag: str | None,
-               chunk: int) -> tuple[str | None, Generator[bytes, None, None]]:
+               chunk: int) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
 
         With ``etag`` the request carries If-Range: a source whose file changed answers 200 with
@@ -121,8 +128,7 @@ class Client:
         if etag and not etag.startswith("W/"):
             headers["If-Range"] = etag
         try:
-            r = self.session.get(url, headers=headers, stream=True,
-                                 timeout=(self.timeouts.connect, self.timeouts.read))
+            r = self.session.get(url, headers=headers, stream=True, **self._per_request())
         except requests.RequestException as e:
             raise FetchError(f"{redact(url)}: {_why(e)}") from None
         new_etag = r.headers.get("ETag")
@@ -154,21 +160,37 @@ class Client:
 
     @staticmethod
     def _body(r: requests.Response, url: str, size: int, chunk: int
-              ) -> Generator[bytes, None, None]:
+              ) -> Generator[memoryview, None, None]:
+        """The body in chunks, each a view of one buffer reused for the next (use it at once).
+
+        The bytes are read straight from http.client's response into that buffer when urllib3
+        exposes it (no per-chunk allocation; urllib3's own read copies every chunk once more).
+        """
+        fp = getattr(r.raw, "_fp", None)
+        readinto = getattr(fp, "readinto", None) if r.raw.headers.get(
+            "Content-Length") is not None else None
+        buf = memoryview(bytearray(min(chunk, size)))
+        complete = False
         try:
             left = size
             while left:
+                want = min(len(buf), left)
                 try:
-                    data = r.raw.read(min(chunk, left), decode_content=False)
+                    if readinto is not None:
+                        n = readinto(buf[:want])
+                    else:
+                        data = r.raw.read(want, decode_content=False)
+                        n = len(data)
+                        buf[:n] = data
                 except Exception as e:  # urllib3 raises several unrelated types mid-body
                     raise FetchError(f"{redact(url)}: {_why(e)} after {size - left} of {size} "
                                      "bytes") from None
-                if not data:
+                if not n:
                     raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
                                      "bytes")
-                left -= len(data)
-                yield data
-            if r.headers.get("Content-Length") is None:
+                left -= n
+                yield buf[:n]
+            if readinto is None:
                 # A body framed by chunks or by closing: make sure it ends where the range does.
                 try:
                     extra = r.raw.read(1, decode_content=False)
@@ -176,8 +198,14 @@ class Client:
                     extra = b""
                 if extra:
                     raise FetchError(f"{redact(url)}: sent more bytes than the {size} asked for")
+            complete = True
         finally:
-            r.close()
+            if complete and readinto is not None and fp.isclosed():
+                # Read to its Content-Length by http.client: the connection is clean for the
+                # next request; hand it back to the pool instead of closing it.
+                r.raw.release_conn()
+            else:
+                r.close()
 
 
 def _why(e: BaseException) -> str:

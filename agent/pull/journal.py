@@ -14,12 +14,17 @@ keeps each source's ETag for the file, which later requests send as If-Range::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 MAGIC = "wagent-journal 1"
+
+
+class PartialBusy(Exception):
+    """Another process holds this partial file."""
 
 
 class Partial:
@@ -32,10 +37,20 @@ class Partial:
         self.done: dict[int, tuple[int, str]] = {}      # offset -> (size, sha256)
         self.etags: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._load()
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        part_existed = self.part_path.exists()
         self.fd = os.open(self.part_path, flags, 0o644)
         self._jfd = os.open(self.journal_path, flags | os.O_APPEND, 0o644)
+        try:
+            # One pull per partial file: a second pull of the same file waits for another turn.
+            fcntl.flock(self._jfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.close()
+            raise PartialBusy(f"another pull is already fetching {sha256} into "
+                              f"{directory}; try again when it ends") from None
+        self._load()
+        if not part_existed:
+            self.done.clear()           # a journal without its part file claims nothing
         if not self.done:
             # Nothing trustworthy in it: start it over (keeping the ETags, still useful).
             os.ftruncate(self._jfd, 0)
@@ -58,8 +73,6 @@ class Partial:
                 self.done[int(parts[1])] = (int(parts[2]), parts[3])
             elif parts[0] == "etag" and len(parts) == 3:
                 self.etags[unquote(parts[1])] = unquote(parts[2])
-        if self.done and not self.part_path.exists():
-            self.done.clear()
 
     def preallocate(self) -> None:
         """Reserve the whole file now, so a full disk shows at once and not mid-pull."""

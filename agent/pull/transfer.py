@@ -264,7 +264,7 @@ class Transfer:
         finally:
             body.close()
 
-    def _receive(self, url: str, f: FileState, body: Generator[bytes, None, None],
+    def _receive(self, url: str, f: FileState, body: Generator[memoryview, None, None],
                  pieces: list[Piece], pos: int, generation: int) -> None:
         piece = pieces[0]
         h = hashlib.sha256()

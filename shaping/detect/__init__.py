@@ -35,7 +35,7 @@ __all__ = [
     "PortsDetector", "RdmaDetector", "RdmaReading", "Readings",
 ]
 
-LINK_WINDOW = 0.5  # seconds the link's rates are averaged over (at least one tick)
+LINK_WINDOW = 1.0  # seconds the link's rates are averaged over (at least one tick)
 
 
 class Detectors:

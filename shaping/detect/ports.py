@@ -91,7 +91,9 @@ class PortsDetector:
     def sockets(self) -> Iterator[TcpSocket]:
         if self._sockdiag:
             try:
-                infos = sockdiag.dump_tcp()
+                infos = sockdiag.dump_tcp(
+                    sockdiag.LIVE_STATES,
+                    wanted=lambda lp, rp: self.matches(lp) or self.matches(rp))
             except OSError:
                 self._sockdiag = False  # e.g. a seccomp filter without AF_NETLINK: use /proc
             else:

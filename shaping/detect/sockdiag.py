@@ -13,10 +13,10 @@ TcpInfo(local=('10.0.0.2', 51234), remote=('10.0.0.1', 29500), state=1, inode=55
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NETLINK_SOCK_DIAG = 4
@@ -27,6 +27,7 @@ INET_DIAG_INFO = 2
 NLMSG_HDR = struct.Struct("=IHHII")
 REQ_V2 = struct.Struct("=BBBxI")                    # family, protocol, ext, pad, states
 SOCKID = struct.Struct("!HH16s16s")                 # sport, dport, src, dst (network order)
+PORTS = struct.Struct("!HH")
 SOCKID_TAIL = struct.Struct("=III")                 # if, cookie[2]
 DIAG_MSG = struct.Struct("=BBBB")                   # family, state, timer, retrans
 DIAG_MSG_TAIL = struct.Struct("=IIIII")             # expires, rqueue, wqueue, uid, inode
@@ -50,14 +51,23 @@ class TcpInfo:
     bytes_received: int | None
 
 
-def dump_tcp(states: int = 0xFFF, families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6),
-             ) -> list[TcpInfo]:
-    """Every TCP socket in the caller's network namespace whose state bit is set in ``states``."""
+ALL_STATES = 0xFFF
+LIVE_STATES = (1 << 1) | (1 << 2) | (1 << 3)  # ESTABLISHED, SYN_SENT, SYN_RECV
+
+PortFilter = Callable[[int, int], bool]
+
+
+def dump_tcp(states: int = ALL_STATES,
+             families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6),
+             wanted: PortFilter | None = None) -> list[TcpInfo]:
+    """Every TCP socket in the caller's network namespace whose state bit is set in ``states``
+    (the kernel filters those) and, if given, for which ``wanted(local_port, remote_port)``
+    holds (checked before anything else is decoded: a node may hold thousands of sockets)."""
     out: list[TcpInfo] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as s:
         for seq, family in enumerate(families, start=1):
             s.sendto(build_request(family, states, seq), (0, 0))
-            out += _receive(s, seq)
+            out += _receive(s, seq, wanted)
     return out
 
 
@@ -68,19 +78,20 @@ def build_request(family: int, states: int, seq: int) -> bytes:
                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _receive(s: socket.socket, seq: int) -> list[TcpInfo]:
+def _receive(s: socket.socket, seq: int, wanted: PortFilter | None) -> list[TcpInfo]:
     out: list[TcpInfo] = []
     while True:
         data = s.recv(1 << 20)
         if not data:
             raise SockDiagError("sock_diag: the kernel closed the dump")
-        done, socks = parse_messages(data, seq)
+        done, socks = parse_messages(data, seq, wanted)
         out += socks
         if done:
             return out
 
 
-def parse_messages(data: bytes, seq: int | None = None) -> tuple[bool, list[TcpInfo]]:
+def parse_messages(data: bytes, seq: int | None = None,
+                   wanted: PortFilter | None = None) -> tuple[bool, list[TcpInfo]]:
     """(dump finished, sockets) from one datagram of netlink messages."""
     out: list[TcpInfo] = []
     off = 0
@@ -97,7 +108,9 @@ def parse_messages(data: bytes, seq: int | None = None) -> tuple[bool, list[TcpI
             (err,) = struct.unpack_from("=i", data, off + NLMSG_HDR.size)
             raise SockDiagError(-err, f"sock_diag: {os.strerror(-err)}")
         if mtype == SOCK_DIAG_BY_FAMILY:
-            out.append(parse_diag_msg(data[off + NLMSG_HDR.size:off + length]))
+            at = off + NLMSG_HDR.size
+            if wanted is None or wanted(*PORTS.unpack_from(data, at + DIAG_MSG.size)):
+                out.append(parse_diag_msg(data[at:off + length]))
         off += _align(length)
     return False, out
 
@@ -123,11 +136,15 @@ def parse_diag_msg(msg: bytes) -> TcpInfo:
                    acked, received)
 
 
+V4_MAPPED = b"\0" * 10 + b"\xff\xff"
+
+
 def _addr(family: int, raw: bytes) -> str:
-    addr = ipaddress.ip_address(raw[:4] if family == socket.AF_INET else raw)
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return str(addr)
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, raw[:4])
+    if raw.startswith(V4_MAPPED):
+        return socket.inet_ntop(socket.AF_INET, raw[12:16])
+    return socket.inet_ntop(socket.AF_INET6, raw)
 
 
 def _align(n: int) -> int:

@@ -63,8 +63,11 @@ def tc(ceil):
                     f"{burst_for(rate)}b", "cburst", f"{burst_for(ceil)}b", "quantum",
                     str(quantum_for(rate)), "prio", str(p.shaping.priority)], check=True)
 out["tc class change"] = timed(tc)
-import pyroute2
-out["_pyroute2"] = getattr(pyroute2, "__version__", "?")
+import importlib.metadata
+try:
+    out["_pyroute2"] = importlib.metadata.version("pyroute2")
+except importlib.metadata.PackageNotFoundError:
+    out["_pyroute2"] = "?"
 print(json.dumps(out))
 """
 

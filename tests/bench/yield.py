@@ -5,7 +5,7 @@ pulling node (HTB on the origin's egress), an iperf3 server on the origin's port
 training flow is an iperf3 client on the node with -R, so its data flows origin -> node like the
 pull's. Three runs of the same flow:
 
-- T0: the training flow alone;
+- T0: the training flow alone (run first and last; their mean is the reference);
 - aria2c: the flow while ``aria2c -j8`` pulls the model (no shaping, no backoff);
 - wagent: the flow started in the middle of ``wagent pull --policy P`` with backoff on (tick
   100 ms) and the node's ingress shaping (IFB) on.
@@ -18,9 +18,12 @@ T0 over its whole run and >= 98% after its first 2 s; the distribution rate is a
 the pull is back to 90% of the link within 10 s.
 
     python tests/bench/yield.py            # 20 s flows, a 3.2 GB model in /dev/shm
-    python tests/bench/yield.py --quick    # 8 s flows, 2 GB
+    python tests/bench/yield.py --quick    # 8 s flows, 2.5 GB
 
-Needs root. The model lives in a tmpfs and is deleted at the end, as is every pulled copy.
+Needs root. The model lives in a tmpfs (/dev/shm), the pulled copies on disk (/var/tmp); all are
+deleted at the end. ``YIELD_TRACE=FILE`` logs the backoff loop's every tick (state, rate, the
+link detector's rx / distribution / other Mbit/s) while the proposed ``wagent pull --policy``
+glue runs.
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def drive(argv: list[str]) -> int:
 # --- the benchmark --------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 s flows and a 2 GB model")
+    ap.add_argument("--quick", action="store_true", help="8 s flows and a 2.5 GB model")
     ap.add_argument("--seconds", type=float, help="training flow length (default 20, quick 8)")
     ap.add_argument("--model-size", help="e.g. 3.2GB (default 3.2GB, quick 2GB)")
     ap.add_argument("--sampler", action="store_true", help=argparse.SUPPRESS)
@@ -168,7 +171,7 @@ def main() -> int:
     from agent.units import parse_size
 
     seconds = args.seconds or (8.0 if args.quick else 20.0)
-    size = parse_size(args.model_size or ("2GB" if args.quick else "3.2GB"))
+    size = parse_size(args.model_size or ("2.5GB" if args.quick else "3.2GB"))
     return run(seconds, size, args.json)
 
 
@@ -198,7 +201,8 @@ def run(seconds: float, size: int, json_out: str | None) -> int:
             res = Results(seconds)
             first = training_alone(tb, node, link, seconds)
             res.aria2 = with_aria2c(tb, node, link, base, files, seconds, shm)
-            res.wagent = with_wagent(tb, node, link, base, seconds, shm, WAGENT)
+            res.wagent = with_wagent(tb, node, link, base, seconds, shm, WAGENT,
+                                     warmup=6.0 if seconds < 20 else 9.0)
             # T0 again at the end: on a shared machine the link's goodput drifts; the mean of a
             # run before and one after is the fairer reference.
             last = training_alone(tb, node, link, seconds)
@@ -251,8 +255,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def with_aria2c(tb: object, node: object, link: object, base: str, files: list[Path],
                 seconds: float, shm: Path) -> Flow:
-    out = shm / "aria2c"
-    out.mkdir()
+    out = Path(tempfile.mkdtemp(prefix="wagent-yield-aria2c-", dir="/var/tmp"))  # like the store
     listing = shm / "aria2c.list"
     listing.write_text("".join(f"{base}/{MODEL}/{VERSION}/{p.name}\n" for p in files))
     sproc, slog = start_sampler(node)
@@ -316,7 +319,7 @@ state_dir: {state}
 
 
 def with_wagent(tb: object, node: object, link: object, base: str, seconds: float, shm: Path,
-                wagent: str) -> WagentRun:
+                wagent: str, warmup: float) -> WagentRun:
     # The store is on disk: the pull engine fails on tmpfs (EINVAL) at the time of writing, and
     # a disk store keeps this machine's shared RAM free. 125 MB/s of writes is within its reach.
     store = Path(tempfile.mkdtemp(prefix="wagent-yield-store-", dir="/var/tmp"))
@@ -335,9 +338,8 @@ def with_wagent(tb: object, node: object, link: object, base: str, seconds: floa
               file=sys.stderr)
         argv = [sys.executable, str(Path(__file__).resolve()), "--drive", *pull_args]
     pull = node.popen(argv, log="yield-wagent-pull")
-    t_pull = time.monotonic()
     try:
-        time.sleep(6.0)
+        time.sleep(warmup)
         if pull.poll() is not None:
             raise RuntimeError(f"wagent pull exited {pull.returncode}:\n"
                                + Path(pull.log_path).read_text(errors="replace")[-3000:])
@@ -357,7 +359,8 @@ def with_wagent(tb: object, node: object, link: object, base: str, seconds: floa
         print("wagent pull's output, last lines:\n  " + "\n  ".join(
             pull_log.splitlines()[-25:]), file=sys.stderr)
     s = Samples.read(slog)
-    alone = s.rate(s.dist, t_pull + 3.0, t_start - 0.2)
+    # The pull alone, in its steady state: the last seconds before the training flow.
+    alone = s.rate(s.dist, t_start - (warmup - 3.0), t_start - 0.2)
     data_start = s.first(s.train, t_start, 64 * 1024)
     floor_after = None
     step = 0.25

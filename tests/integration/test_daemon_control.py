@@ -4,12 +4,15 @@ resume) only for root or the service's user, checked with SO_PEERCRED."""
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.integration.daemon_helpers import (
+from tests.daemon_helpers import (
+    ROOT,
     start_daemon,
     stop_daemon,
     wagent,
@@ -58,3 +61,26 @@ def test_peercred_refuses_reload_from_nobody_but_serves_status(daemon_dir):
     r = wagent("reload", "--socket", str(sock))
     assert r.returncode == 0, r.stderr
     assert "uid 65534" in (daemon_dir / "daemon.log").read_text()
+
+
+def test_pause_and_resume_for_root_only(daemon_dir):
+    from agent.control import ControlError, call
+
+    sock = str(daemon_dir / "control.sock")
+    os.chmod(sock, 0o666)
+    r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                        sys.executable, "-c",
+                        f"from agent.control import call; call({sock!r}, 'pause')"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=30,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode != 0 and "forbidden" not in r.stdout and "uid 65534" in r.stderr
+    assert call(sock, "status")["daemon"]["paused"] is False
+    assert call(sock, "pause") == {"paused": True}
+    doc = call(sock, "status")
+    assert doc["daemon"]["paused"] is True
+    assert call(sock, "resume") == {"paused": False}
+    assert call(sock, "status")["daemon"]["paused"] is False
+    try:
+        call(sock, "no-such-command")
+    except ControlError as e:
+        assert e.kind == "protocol"

@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.daemon_helpers import (
+from tests.daemon_helpers import (
     start_daemon,
     stop_daemon,
     wait_for_socket,

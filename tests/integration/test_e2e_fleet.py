@@ -17,12 +17,12 @@ import json
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.daemon_helpers import Node, node_policy, pull_state, start, status, wait_until
 from tests.testbed import REPO, WAGENT
 from tests.testbed.hosts import wait_listening
 
@@ -31,84 +31,6 @@ pytestmark = pytest.mark.netns
 MODEL = "llama"
 VERSION = "v1"
 STREAMS = 4
-
-
-@dataclass
-class Node:
-    name: str
-    hostname: str
-    host: object
-    ifname: str
-    dir: Path
-    policy: Path
-    proc: subprocess.Popen | None = None
-
-    @property
-    def socket(self) -> Path:
-        return self.dir / "control.sock"
-
-    @property
-    def store(self) -> Path:
-        return self.dir / "store"
-
-
-def node_policy(node: Node, sources: list[str], *, role_hosts: dict[str, str],
-                shaping: bool = True, cache_lead: str = "0s", serve_ports: list[int] = (),
-                ceil: str = "40mbit") -> dict:
-    return {
-        "version": 1,
-        "roles": {role: {"hosts": [pattern]} for role, pattern in role_hosts.items()},
-        "default_role": "training",
-        "cache_role": "cache",
-        "waves": {"order": ["inference", "evaluation", "training"], "gap": "4s",
-                  "spread": "1s", "cache_lead": cache_lead},
-        "sources": [{"url": s} for s in sources],
-        "models": [{"name": MODEL, "version": "latest"}],
-        "poll_interval": "1s",
-        "store": {"path": str(node.store), "keep_versions": 2},
-        "pulls": {"streams": STREAMS, "piece_size": "1MiB", "retries": 2,
-                  "connect_timeout": "2s", "read_timeout": "5s"},
-        "shaping": {"enabled": shaping, "interfaces": [node.ifname], "link_rate": "1gbit",
-                    "pull_ports": [8080], "serve_ports": list(serve_ports),
-                    "rate": "1mbit", "ceil": ceil},
-        "backoff": {"tick": "200ms", "floor": "4mbit", "increase": "20mbit", "quiet": "1s",
-                    "link_threshold": "10gbit", "training_ports": [29500],
-                    "nccl_processes": False},
-        "metrics": {"listen": None},
-        "control": {"socket": str(node.socket)},
-        "state_dir": str(node.dir / "state"),
-    }
-
-
-def start(node: Node) -> None:
-    node.proc = node.host.popen([WAGENT, "-v", "run", "--policy", str(node.policy),
-                                 "--hostname", node.hostname, "--node-id", node.hostname],
-                                log=f"wagent-{node.name}")
-
-
-def status(node: Node) -> tuple[int, dict]:
-    r = subprocess.run([WAGENT, "status", "--json", "--socket", str(node.socket)],
-                       capture_output=True, text=True, timeout=20)
-    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}
-
-
-def wait_until(what: str, cond, timeout: float, nodes=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.2)
-    logs = "\n".join(f"--- {n.name}\n{Path(n.proc.log_path).read_text()[-3000:]}"
-                     for n in nodes if n.proc is not None)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
-
-
-def pull_state(node: Node) -> dict | None:
-    code, doc = status(node)
-    if code == 3 or not doc.get("pulls"):
-        return None
-    return doc["pulls"][0]
 
 
 def publish(origin_root: Path) -> dict:
@@ -183,7 +105,7 @@ def test_fleet_waves_backoff_reload_restart(testbed):
             return doc if b.get("state") == "backed_off" else None
 
         try:
-            doc = wait_until("trn backed off", backed_off, 10, nodes)
+            doc = wait_until("trn backed off", backed_off, 15, nodes)
         except AssertionError:
             print("flow running:", flow.running, trn.host.run(["ss", "-tn"]).stdout,
                   json.dumps(status(trn)[1].get("backoff"), indent=1))

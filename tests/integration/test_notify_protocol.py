@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.integration.daemon_helpers import (
+from tests.daemon_helpers import (
     NotifySocket,
     start_daemon,
     stop_daemon,

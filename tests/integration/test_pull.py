@@ -226,3 +226,21 @@ def journaled(store: Path) -> int:
     for b in (store / "blobs").glob("*"):
         n += b.stat().st_size
     return n
+
+
+def test_tls_is_verified_and_a_ca_bundle_makes_it_work(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with LoopbackNginx(origin, tls=True) as ng:
+        with pytest.raises(PullError, match="TLS verification failed"):
+            pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url, ca_bundle=ng.ca_bundle)], "m", "v1", store,
+                         options=FAST)
+    same_files(r.path, origin / "m" / "v1")
+
+
+def test_a_source_behind_an_http_proxy(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with LoopbackNginx(origin) as ng, LoopbackNginx(tmp_path, forward_proxy=True) as proxy:
+        r = pull_version([Source(ng.url, proxy=proxy.url)], "m", "v1", store, options=FAST)
+        assert proxy.bytes_sent() >= r.bytes_total
+    same_files(r.path, origin / "m" / "v1")

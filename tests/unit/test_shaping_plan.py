@@ -265,6 +265,14 @@ def test_clear_recreates_a_simple_taken_over_root_and_warns_on_others():
     assert "hfsc" in notes[0]
 
 
+def test_clear_removes_a_redirect_to_a_vanished_ifb():
+    devices = applied(shaping())
+    del devices["wg-eth0"]
+    actions, _ = clear("eth0", "wg-eth0", devices, None)
+    assert actions[0] == DeleteQdisc("eth0", TC_H_INGRESS, INGRESS_HANDLE, "ingress")
+    assert DeleteLink("wg-eth0") not in actions
+
+
 def test_clear_leaves_what_is_not_wagents():
     devices = fresh(Qdisc("tbf", 0x10000, TC_H_ROOT))
     assert clear("eth0", "wg-eth0", devices, None) == ([], [])

@@ -93,3 +93,26 @@ def test_touch_orders_lru(store):
     put_version(store, "m", "v1", {"x": b"a"}, "2026-01-01T00:00:00Z", now=5)
     store.touch("m", "v1", 50)
     assert store.versions("m")[0].last_used == 50
+
+
+def test_journal_survives_reopen_and_ignores_torn_lines(tmp_path):
+    from agent.pull.journal import Partial, PartialBusy
+    p = Partial(tmp_path, "f" * 64, 100, durable=False)
+    p.write(0, b"x" * 10)
+    p.record_etag("http://o", '"abc"')
+    p.record_piece(0, 10, "a" * 64)
+    with pytest.raises(PartialBusy):
+        Partial(tmp_path, "f" * 64, 100)
+    p.close()
+    with open(p.journal_path, "a") as f:
+        f.write("piece 10 10 ")                       # torn by a power cut
+    q = Partial(tmp_path, "f" * 64, 100)
+    assert q.done == {0: (10, "a" * 64)} and q.etags == {"http://o": '"abc"'}
+    q.close()
+    os.unlink(q.part_path)                           # journal without its part: trust nothing
+    r = Partial(tmp_path, "f" * 64, 100)
+    assert r.done == {} and r.etags == {"http://o": '"abc"'}
+    r.close()
+    s = Partial(tmp_path, "f" * 64, 200)              # another size: another file, start over
+    assert s.done == {} and s.etags == {}
+    s.close()

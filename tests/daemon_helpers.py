@@ -1,8 +1,10 @@
-"""Helpers for the daemon's integration tests: a policy file, a running `wagent run`, and a
-systemd-like notify socket that records what the daemon sends and who sent it."""
+"""Helpers for the daemon's integration tests: a policy file, a running `wagent run` (on this
+host, or as a node inside a testbed host), and a systemd-like notify socket that records what
+the daemon sends and who sent it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,12 +12,15 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from tests.testbed import WAGENT as TESTBED_WAGENT  # the CLI a testbed host runs
+
 WAGENT = [sys.executable, "-m", "agent"]
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_policy(path: Path, tmp: Path, **sections: object) -> Path:
@@ -110,3 +115,86 @@ def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 15.0) -
             raise AssertionError(f"wagent run exited with {proc.returncode}")
         time.sleep(0.1)
     raise AssertionError(f"no control socket at {path} within {timeout} s")
+
+
+# -- nodes on the testbed --------------------------------------------------------------------
+@dataclass
+class Node:
+    name: str
+    hostname: str
+    host: object
+    ifname: str
+    dir: Path
+    policy: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / "control.sock"
+
+    @property
+    def store(self) -> Path:
+        return self.dir / "store"
+
+
+def node_policy(node: Node, sources: list[str], *, role_hosts: dict[str, str],
+                shaping: bool = True, cache_lead: str = "0s", serve_ports: list[int] = (),
+                ceil: str = "40mbit", model: str = "llama", streams: int = 4) -> dict:
+    """A node's policy for the testbed: waves of seconds, one model following "latest", an
+    ingress cap on the node's link and a backoff that reacts within a tick."""
+    return {
+        "version": 1,
+        "roles": {role: {"hosts": [pattern]} for role, pattern in role_hosts.items()},
+        "default_role": "training",
+        "cache_role": "cache",
+        "waves": {"order": ["inference", "evaluation", "training"], "gap": "4s",
+                  "spread": "1s", "cache_lead": cache_lead},
+        "sources": [{"url": s} for s in sources],
+        "models": [{"name": model, "version": "latest"}],
+        "poll_interval": "1s",
+        "store": {"path": str(node.store), "keep_versions": 2},
+        "pulls": {"streams": streams, "piece_size": "1MiB", "retries": 2,
+                  "connect_timeout": "2s", "read_timeout": "5s"},
+        "shaping": {"enabled": shaping, "interfaces": [node.ifname], "link_rate": "1gbit",
+                    "pull_ports": [8080], "serve_ports": list(serve_ports),
+                    "rate": "1mbit", "ceil": ceil},
+        "backoff": {"tick": "200ms", "floor": "4mbit", "increase": "20mbit", "quiet": "1s",
+                    "link_threshold": "10gbit", "training_ports": [29500],
+                    "nccl_processes": False},
+        "metrics": {"listen": None},
+        "control": {"socket": str(node.socket)},
+        "state_dir": str(node.dir / "state"),
+    }
+
+
+def start(node: Node) -> None:
+    node.proc = node.host.popen([TESTBED_WAGENT, "-v", "run", "--policy", str(node.policy),
+                                 "--hostname", node.hostname, "--node-id", node.hostname],
+                                log=f"wagent-{node.name}")
+
+
+def status(node: Node) -> tuple[int, dict]:
+    r = subprocess.run([TESTBED_WAGENT, "status", "--json", "--socket", str(node.socket)],
+                       capture_output=True, text=True, timeout=20)
+    return r.returncode, json.loads(r.stdout) if r.stdout.strip() else {}
+
+
+def wait_until(what: str, cond, timeout: float, nodes=()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.2)
+    logs = "\n".join(f"--- {n.name}\n{Path(n.proc.log_path).read_text()[-3000:]}"
+                     for n in nodes if n.proc is not None)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def pull_state(node: Node) -> dict | None:
+    code, doc = status(node)
+    if code == 3 or not doc.get("pulls"):
+        return None
+    return doc["pulls"][0]
+
+

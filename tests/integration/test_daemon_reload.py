@@ -1,0 +1,66 @@
+"""Reload is mark-and-sweep on the kernel side too: a changed cap is applied in place (one
+tree, adopted, not a second one), and a policy that no longer shapes clears wagent's trees."""
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.daemon_helpers import Node, node_policy, start, status
+from tests.testbed import WAGENT
+
+pytestmark = [pytest.mark.netns, pytest.mark.debian]
+
+ROLES = {"inference": "inf-*", "evaluation": "eval-*", "training": "trn-*"}
+
+
+def reload(node: Node) -> subprocess.CompletedProcess:
+    return subprocess.run([WAGENT, "reload", "--socket", str(node.socket)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_reload_moves_the_cap_in_place_then_sweeps_shaping(testbed):
+    tb = testbed
+    h = tb.host("node")
+    peer = tb.host("peer")
+    link = tb.connect(peer, h)
+    d = tb.tmpdir("node")
+    node = Node("node", "inf-1", h, link.b.ifname, d, d / "policy.yaml")
+    pol = node_policy(node, ["http://192.0.2.1:8080"], role_hosts=ROLES)
+    node.policy.write_text(yaml.safe_dump(pol))
+    start(node)
+    try:
+        deadline = time.monotonic() + 30
+        while status(node)[0] not in (0, 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        _, doc = status(node)
+        ifb = doc["shaping"]["interfaces"][0]["device"]
+        assert "ceil 40Mbit" in h.run(["tc", "class", "show", "dev", ifb]).stdout
+
+        pol["shaping"]["ceil"] = "20mbit"
+        node.policy.write_text(yaml.safe_dump(pol))
+        r = reload(node)
+        assert r.returncode == 0, r.stderr
+        code, doc = status(node)
+        assert code == 0 and doc["policy"]["reloads"] == 1
+        assert doc["shaping"]["cap_bps"] == 20_000_000
+        assert doc["backoff"]["cap_bps"] == 20_000_000
+        classes = h.run(["tc", "class", "show", "dev", ifb]).stdout
+        assert "ceil 20Mbit" in classes and "ceil 40Mbit" not in classes, classes
+        assert h.run(["tc", "qdisc", "show", "dev", ifb]).stdout.count("htb") == 1
+
+        pol["shaping"]["enabled"] = False
+        node.policy.write_text(yaml.safe_dump(pol))
+        r = reload(node)
+        assert r.returncode == 0, r.stderr
+        _, doc = status(node)
+        assert doc["shaping"]["enabled"] is False
+        assert ifb not in h.run(["ip", "link"]).stdout
+        assert "htb" not in h.run(["tc", "qdisc", "show", "dev", node.ifname]).stdout
+    finally:
+        node.proc.send_signal(signal.SIGTERM)
+        node.proc.wait(10)
+        print(Path(node.proc.log_path).read_text())
