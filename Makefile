@@ -7,7 +7,7 @@ APT_PACKAGES := nginx-light iperf3 aria2 rsync curl openssl iproute2 python3-ven
 	python3-pyroute2 python3-apscheduler python3-yaml python3-requests python3-sdnotify \
 	python3-prometheus-client python3-pytest python3-numpy
 DEB_BUILD_PACKAGES := debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
-	lintian systemd fakeroot
+	lintian systemd fakeroot build-essential man-db
 
 .PHONY: test demo bench deps venv lint deb clean
 
@@ -31,11 +31,14 @@ $(VENV)/.stamp: pyproject.toml .deps-stamp
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# The whole suite: lint, unit and integration tests (venv, newest PyPI releases), the tests marked
+# `debian` again under Debian's python3 and packaged libraries, then the Debian package built,
+# installed, tested as installed and purged.
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
-	# The same shaping and testbed tests under Debian's python3 with Debian's packaged libraries.
 	PYTHONPATH=$(CURDIR) /usr/bin/python3 -m pytest -q -p no:cacheprovider -m debian tests/integration
+	$(MAKE) deb-check
 
 bench: venv
 	@for b in tests/bench/[a-z]*.py; do echo "== $$b"; PYTHONPATH=$(CURDIR) $(PY) $$b || exit 1; done
@@ -49,7 +52,7 @@ clean:
 # The Debian package (packaging/deb): built from a copy of the tree with Debian's python3 only,
 # into build/deb/; `deb-check` is its CI acceptance (installs, tests and purges it: root, CI box).
 deb:
-	@missing=""; for p in $(DEB_BUILD_PACKAGES) build-essential man-db; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(DEB_BUILD_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \

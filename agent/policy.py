@@ -135,6 +135,7 @@ def _check(p: Policy, b: Builder) -> None:
     _check_sources(p, b)
     _check_models(p, b)
     _check_rates(p, b)
+    _check_shaping_plan(p, b)
     if p.metrics.listen is not None:
         host, sep, port = p.metrics.listen.rpartition(":")
         if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
@@ -262,6 +263,21 @@ def _check_rates(p: Policy, b: Builder) -> None:
         b.error(b.line_of("backoff.floor", b.line_of("backoff.cap")),
                 f"backoff.floor {units.format_rate(bo.floor)} is above {what} "
                 f"{units.format_rate(cap)}")
+
+
+def _check_shaping_plan(p: Policy, b: Builder) -> None:
+    """Whatever the tc plan itself refuses (interface names, ports, rates the kernel can't
+    take) is a policy error too, so `policy check` catches it before a node does."""
+    if not p.shaping.enabled or any(k.startswith("shaping.") for k in b.bad) or b.issues:
+        return
+    from shaping.errors import PlanError
+    from shaping.plan import build_plan
+
+    try:
+        build_plan(p.shaping, p.sources)
+    except PlanError as e:
+        key = str(e).split(":", 1)[0] if str(e).startswith("shaping.") else "shaping"
+        b.error(b.line_of(key, b.line_of("shaping")), str(e))
 
 
 def _close(word: str, choices: list[str]) -> str:

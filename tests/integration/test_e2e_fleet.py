@@ -136,8 +136,7 @@ def test_fleet_waves_backoff_reload_restart(testbed):
         wait_until("eval done", lambda: (pull_state(ev) or {}).get("state") == "done", 60,
                    nodes)
         assert wagent_qdiscs(ev).count("htb") == qdiscs_before.count("htb")   # adopted
-        log = Path(ev.proc.log_path).read_text()
-        assert "adopted" in log or "Traceback" not in log
+        assert "Traceback" not in Path(ev.proc.log_path).read_text()
 
 
         # SIGHUP with a broken policy on the inference node: the old one stays
