@@ -189,17 +189,16 @@ class Application:
             from shaping.shaper import Shaper  # only nodes that shape need pyroute2
 
             shaper = Shaper(new.shaping, new.sources, new.state_dir)
-            report = shaper.apply()   # adopts wagent's own tree and changes it in place
+            keep = None
+            if parts.ceil_bps is not None and old is not None and old.shaping.enabled:
+                # keep the backoff controller's ceil; it retunes from there on its next tick
+                keep = min(parts.ceil_bps, new.shaping.ceil)
+            report = shaper.apply(ceil=keep)   # adopts wagent's own tree, changes it in place
             if parts.shaper is not None:
                 parts.shaper.close()
             parts.shaper = shaper
             parts.shaping_notes = tuple(report.notes)
-            if parts.ceil_bps is not None and old is not None and old.shaping.enabled:
-                # keep the backoff controller's ceil; it retunes from there on its next tick
-                shaper.set_ceil(min(parts.ceil_bps, new.shaping.ceil))
-                parts.ceil_bps = min(parts.ceil_bps, new.shaping.ceil)
-            else:
-                parts.ceil_bps = new.shaping.ceil
+            parts.ceil_bps = keep if keep is not None else new.shaping.ceil
         else:
             if parts.shaper is not None:
                 parts.shaper.close()

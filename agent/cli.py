@@ -14,7 +14,8 @@ import sys
 from agent import __version__
 
 # Order is the order of `wagent --help`.
-SUBCOMMANDS = ("run", "status", "reload", "policy", "manifest", "pull", "shaping", "plan")
+SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "pull",
+               "shaping", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,11 +6,16 @@ distribution class (``shaping.shaper.Shaper.set_ceil``) and the pulls' token buc
 daemon with nothing pulling). The clock and the sleep are passed in, so a test drives ticks by
 hand with ``tick()``; ``start()`` runs them on a thread.
 
-    loop = BackoffLoop(Controller(policy.backoff, cap), Detectors.from_policy(policy.backoff),
-                       set_kernel_ceil=shaper.set_ceil, set_pull_rate=bucket.set_rate,
-                       distribution=lambda: {"eth0": (class_rx_bytes, 0)}, tick=1.0)
-    loop.start() ... loop.stop()
+    loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
+                       Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
+                       set_kernel_ceil=shaper.set_ceil, set_pull_rate=BucketRate(bucket),
+                       distribution=shaper_distribution(shaper, policy.shaping.interfaces),
+                       tick=policy.backoff.tick)
+    loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
+    loop.status()   # plain values for status --json and metrics
+
+``start_for_pull`` and ``pull_backoff`` build exactly that around one ``wagent pull``.
 """
 
 from __future__ import annotations
@@ -126,6 +131,16 @@ class BackoffLoop:
             if next_at < now:
                 next_at = now  # fell behind (a suspended VM, a busy host): don't burst to catch up
             self._sleep(next_at - now)
+
+    def update(self, policy: Policy, rate: int | None = None) -> None:
+        """A reloaded policy: new thresholds, cap, tick and detectors; the state carries on
+        (a node backed off for training stays backed off)."""
+        with self._lock:
+            self.controller.backoff = policy.backoff
+            self.controller.set_cap(cap_for(policy, rate))
+            self.detectors = Detectors.from_policy(policy.backoff, policy.shaping.interfaces,
+                                                   link=self.detectors.link is not None)
+            self.tick_s = max(0.1, float(policy.backoff.tick))
 
     def start(self) -> BackoffLoop:
         self._stop.clear()

@@ -65,7 +65,8 @@ def assess(readings: Readings, backoff: Backoff) -> Signal:
         if p.connections <= 0:
             continue
         if p.bps:
-            causes.append(f"training traffic {format_rate(p.bps)} on port {p.port}")
+            peers = f" ({', '.join(p.peers)})" if p.peers else ""
+            causes.append(f"training traffic {format_rate(p.bps)} on port {p.port}{peers}")
         else:
             peers = ", ".join(p.peers) or f"{p.connections} connections"
             extra = ""

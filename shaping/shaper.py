@@ -90,9 +90,14 @@ class Shaper:
                     ingress=_with_ceil(ip.ingress, self._live.ceil))
             for ip in self._plan.interfaces))
 
-    def apply(self, dry_run: bool = False) -> ApplyReport:
+    def apply(self, dry_run: bool = False, ceil: int | None = None) -> ApplyReport:
         """Bring the kernel to the plan; interfaces wagent shaped and the policy no longer names
-        are cleared. Safe to repeat: an unchanged plan sends nothing."""
+        are cleared. Safe to repeat: an unchanged plan sends nothing.
+
+        ``ceil`` is the distribution ceil to install instead of the policy's (a reload while
+        backed off keeps the backoff's ceil, so the cap never opens in between)."""
+        if ceil is not None:
+            self._live.ceil = ceil
         plan = self.plan()
         records = state.load(self._state_dir)
         actions: list[Action] = []

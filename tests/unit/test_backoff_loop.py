@@ -230,3 +230,18 @@ def test_distribution_bytes_from_shaper_stats():
     # Queued and dropped bytes arrived too (drops are packets: times the mean packet size).
     queued = [Stat("wg-eth0", "distribution", 150_000, packets=100, backlog=30_000, drops=4)]
     assert distribution_bytes(queued, ["eth0"]) == {"eth0": (150_000 + 30_000 + 6000, 0)}
+
+
+def test_update_keeps_the_state_and_takes_the_new_settings(tmp_path):
+    clock = Clock()
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), clock=clock)
+    training(tmp_path, True)
+    assert loop.tick().state == "backed_off"
+    new = Policy(backoff=Backoff(tick=0.5, floor=20 * M, cap=2 * G, quiet=0.5,
+                                 training_ports=((29500, 29500),), nccl_processes=False,
+                                 roots=(("root", str(tmp_path)),)))
+    loop.update(new)
+    assert loop.tick_s == 0.5 and loop.controller.cap == 2 * G
+    clock.t = 0.5
+    d = loop.tick()
+    assert (d.state, d.rate_bps) == ("backed_off", 20 * M)
