@@ -154,10 +154,14 @@ def _file_entry(index: int, f: object) -> FileEntry:
 
 def _check_tree(entries: Iterable[FileEntry], where: str) -> None:
     paths = set()
+    sizes: dict[str, int] = {}
     for e in entries:
         if e.path in paths:
             raise ManifestError(f"{where}: file path {e.path!r} appears twice")
         paths.add(e.path)
+        if sizes.setdefault(e.sha256, e.size) != e.size:
+            raise ManifestError(f"{where}: {e.path!r} has the sha256 of another file but not "
+                                "its size; rebuild the manifest")
     for p in paths:
         parts = p.split("/")
         for i in range(1, len(parts)):

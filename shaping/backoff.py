@@ -148,6 +148,10 @@ class BackoffLoop:
         self._thread.start()
         return self
 
+    def alive(self) -> bool:
+        """The thread is running (for the daemon's health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not None:

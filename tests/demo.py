@@ -37,19 +37,19 @@ def say(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
-def publish(root: Path, version: str, src: Path | None = None, size: int = 0) -> Path:
+def publish(root: Path, version: str, src: Path | None = None, size: int = 0) -> Any:
     """Write a version the way a publisher does: files, manifest, then `latest` last."""
     vdir = root / MODEL / version
     if src is None:
-        generate_sized(vdir, total_bytes=size, shards=8, seed=7)
+        spec = generate_sized(vdir, total_bytes=size, shards=8, seed=7)
     else:
-        next_version(src, vdir, change_layers=[2, 5])
+        spec = next_version(src, vdir, change_layers=[2, 5])
     subprocess.run([WAGENT, "manifest", "build", str(vdir), "--model", MODEL, "--version",
                     version, "--quiet"], check=True)
     tmp = root / MODEL / ".latest.tmp"
     tmp.write_text(version + "\n")
     os.replace(tmp, root / MODEL / "latest")
-    return vdir
+    return spec
 
 
 def write_policy(path: Path, source: str, ifname: str, run_dir: Path) -> None:
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = tb.tmpdir("node")
         say(f"publisher: generating {MODEL} v1 ({format_size(size)}, 8 safetensors shards) and "
             "its manifest")
-        v1 = publish(root, "v1", size=size)
+        publish(root, "v1", size=size)
+        v1 = root / MODEL / "v1"
         srv = tb.nginx(origin, root=root, port=8080)
         tb.iperf3_server(origin, port=29500)
         t0 = tb.iperf3(node, server=link.a.ip4, port=29500, seconds=4, reverse=True).bps
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(node.run([WAGENT, "status", "--socket", str(sock)], check=False).stdout)
 
         say("publisher: v2 changes two layers; the node fetches only what changed")
-        publish(root, "v2", src=v1)
+        v2 = publish(root, "v2", src=v1)
         before = srv.bytes_sent(f"/{MODEL}/")
         doc = watch(node, sock, lambda d: pulled(d, "v2"), timeout=300)
         delta = srv.bytes_sent(f"/{MODEL}/") - before
@@ -156,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         b = doc.get("backoff", {})
         total = srv.bytes_sent(f"/{MODEL}/")
         say("summary")
-        print(f"   pulled          {total / 1e9:.2f} GB from the origin "
-              f"(v1 {format_size(size)}, v2 delta {format_size(delta)})")
+        print(f"   pulled          {total / 1e9:.2f} GB from the origin")
+        print(f"   v2 delta        {format_size(delta)} fetched for 2 changed layers "
+              f"(their tensors and headers: {format_size(v2.delta_bytes)}; "
+              f"the whole version: {format_size(v2.total_bytes)})")
         print(f"   mean rate (v1)  {format_rate(size * 8 / v1_secs)} over {v1_secs:.0f} s "
               "including slot wait and backoff")
         print(f"   training flow   {100 * kept / t0:.0f}% of its bandwidth alone kept")

@@ -72,6 +72,9 @@ class PullOptions:
 
 @dataclass(frozen=True)
 class PullProgress:
+    """What a progress callback gets: about twice a second, and once per landed file (the
+    callback runs on the pull's threads, so it must be thread-safe and quick)."""
+
     model: str
     version: str
     event: str                 # "start", "progress", "file" (one file landed), "done"
@@ -230,25 +233,29 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                         options.backoff_cap, options.verify_files)
     transfer = Transfer(sources, store, files,
                         planning.requests_for(p, settings.request_size, tail=2 * streams),
-                        copies, settings, bucket, stop, on_file=lambda f: emit("file", f.path))
+                        copies, settings, bucket, stop,
+                        on_file=lambda f, n: emit("file", f.path, n))
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
+    window_lock = threading.Lock()
 
-    def emit(event: str, path: str | None = None) -> None:
+    def emit(event: str, path: str | None = None, files_done: int | None = None) -> None:
         if progress is None:
             return
         now = clock()
         with transfer.cond:
             fetched, reused = transfer.fetched, transfer.reused
             busy, verified = transfer.streams_busy, transfer.verified
-        window.append((now, fetched))
-        while len(window) > 2 and now - window[0][0] > 3.0:
-            window.pop(0)
-        span = now - window[0][0]
-        rate = (fetched - window[0][1]) / span if span > 0 else 0.0
+        with window_lock:
+            window.append((now, fetched))
+            while len(window) > 2 and now - window[0][0] > 3.0:
+                window.pop(0)
+            span = now - window[0][0]
+            rate = (fetched - window[0][1]) / span if span > 0 else 0.0
+        landed = transfer.files_done if files_done is None else files_done
         progress(PullProgress(
             m.model, m.version, event, p.bytes_total, base_done + verified, fetched, reused,
-            rate, busy, len(p.present) + transfer.files_done, len(first), now - started, path))
+            rate, busy, len(p.present) + landed, len(first), now - started, path))
 
     emit("start")
     try:

@@ -19,14 +19,20 @@ import logging
 import os
 import random
 import threading
-import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from agent import hashing
 from agent.manifest import Piece
 from agent.policy_model import Source
-from agent.pull.http import ChangedError, Client, FetchError, Timeouts, url_for
+from agent.pull.http import (
+    ChangedError,
+    Client,
+    CredentialsError,
+    FetchError,
+    Timeouts,
+    url_for,
+)
 from agent.pull.journal import Partial
 from agent.pull.plan import Copy, Request
 from agent.ratelimit import TokenBucket
@@ -77,7 +83,7 @@ class Transfer:
     def __init__(self, sources: Sequence[Source], store: Store, files: dict[str, FileState],
                  requests: Sequence[Request], copies: Sequence[tuple[str, Copy]],
                  settings: Settings, bucket: TokenBucket | None, stop: threading.Event,
-                 on_file: Callable[[FileState], None]) -> None:
+                 on_file: Callable[[FileState, int], None]) -> None:
         self.sources = list(sources)
         self.store = store
         self.files = files
@@ -188,6 +194,8 @@ class Transfer:
                     preferred = self._fetch(req, clients, preferred)
                 except PullError as e:
                     self._fail(e)
+                except CredentialsError as e:
+                    self._fail(PullError(str(e)))
                 except OSError as e:
                     self._fail(self._os_error(e, self.files[req.sha256].path))
                 except Exception as e:  # a bug must fail the pull, not hang it
@@ -206,6 +214,7 @@ class Transfer:
         failures: list[str] = []
         rounds = 0
         while pieces:
+            before = len(pieces)
             order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
             order = [i for i in order if i not in f.changed_on]
             if not order:
@@ -239,6 +248,8 @@ class Transfer:
                 except FetchError as e:
                     log.info("piece fetch failed, trying the next source: %s", e)
                     failures.append(str(e))
+            if len(pieces) < before:
+                continue                  # pieces landed this round: not a failed round
             rounds += 1
             if rounds > self.s.retries:
                 raise PullError(f"{f.path}: bytes {pieces[0].offset}+ failed on every source "
@@ -338,7 +349,8 @@ class Transfer:
         self.store.add_blob(part, f.sha256)
         with self.cond:
             self.files_done += 1
-        self.on_file(f)
+            done = self.files_done
+        self.on_file(f, done)
 
     def _os_error(self, e: OSError, what: str) -> PullError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -370,7 +382,3 @@ def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) 
             n = os.pwrite(dst, view, dst_offset)
             view, dst_offset = view[n:], dst_offset + n
         left, src_offset = left - len(data), src_offset + len(data)
-
-
-def monotonic() -> float:
-    return time.monotonic()

@@ -35,36 +35,38 @@ class RdmaDetector:
         out: list[RdmaReading] = []
         live: set[tuple[str, ...]] = set()
         for dev, port, pdir in self._ports():
-            counters = pdir / "counters"
-            hw = pdir / "hw_counters"
-            try:
-                # sysfs gives a re-created device new inodes: its counters restart, not wrap.
-                generation = pdir.stat().st_ino
-            except OSError:
-                continue
-
-            def rate(live: set[tuple[str, ...]], key: tuple[str, ...], path: Path, now: float,
-                     scale: int, generation: int = generation) -> float | None:
-                return self._rate(live, key, generation, path, now, scale)
-
-            rx = rate(live, (dev, port, "rcv"), counters / "port_rcv_data", now, WORD)
-            tx = rate(live, (dev, port, "xmit"), counters / "port_xmit_data", now, WORD)
-            saturated = any((dev, port, d) in self._counters.saturated for d in ("rcv", "xmit"))
-            bps = max(rx or 0.0, tx or 0.0) * 8
-            if rx is None and tx is None:
-                for rx_name, tx_name in HW_BYTES:
-                    hrx = rate(live, (dev, port, "hw", rx_name), hw / rx_name, now, 1)
-                    htx = rate(live, (dev, port, "hw", tx_name), hw / tx_name, now, 1)
-                    if hrx is not None or htx is not None:
-                        bps = max(hrx or 0.0, htx or 0.0) * 8
-                        break
-            ops = [rate(live, (dev, port, "hw", n), hw / n, now, 1) for n in HW_REQUESTS]
-            known = [o for o in ops if o is not None]
-            if rx is None and tx is None and not known and bps == 0.0 and not saturated:
-                continue  # a baseline tick, or a port with nothing readable
-            out.append(RdmaReading(dev, port, bps, sum(known), saturated))
+            reading = self._port(dev, port, pdir, now, live)
+            if reading is not None:
+                out.append(reading)
         self._counters.forget_except(live)
         return tuple(out)
+
+    def _port(self, dev: str, port: str, pdir: Path, now: float,
+              live: set[tuple[str, ...]]) -> RdmaReading | None:
+        try:
+            # sysfs gives a re-created device new inodes: its counters restart, they don't wrap.
+            generation = pdir.stat().st_ino
+        except OSError:
+            return None
+
+        def rate(name: str, path: Path, scale: int = 1) -> float | None:
+            return self._rate(live, (dev, port, name), generation, path, now, scale)
+
+        counters, hw = pdir / "counters", pdir / "hw_counters"
+        rx = rate("rcv", counters / "port_rcv_data", WORD)
+        tx = rate("xmit", counters / "port_xmit_data", WORD)
+        saturated = any((dev, port, d) in self._counters.saturated for d in ("rcv", "xmit"))
+        bps = max(rx or 0.0, tx or 0.0) * 8
+        if rx is None and tx is None:  # no port counters, a baseline tick, or stuck at 2^32-1
+            for rx_name, tx_name in HW_BYTES:
+                hrx, htx = rate(rx_name, hw / rx_name), rate(tx_name, hw / tx_name)
+                if hrx is not None or htx is not None:
+                    bps = max(hrx or 0.0, htx or 0.0) * 8
+                    break
+        ops = [o for o in (rate(n, hw / n) for n in HW_REQUESTS) if o is not None]
+        if rx is None and tx is None and not ops and bps == 0.0 and not saturated:
+            return None  # a baseline tick, or a port with nothing readable
+        return RdmaReading(dev, port, bps, sum(ops), saturated)
 
     def _ports(self) -> list[tuple[str, str, Path]]:
         found = []

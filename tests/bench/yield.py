@@ -10,9 +10,10 @@ pull's. Three runs of the same flow:
 - wagent: the flow started in the middle of ``wagent pull --policy P`` with backoff on (tick
   100 ms) and the node's ingress shaping (IFB) on.
 
-A sampler inside the node reads every TCP socket's bytes through sock_diag every 50 ms, so the
+A sampler inside the node reads every TCP socket's bytes through sock_diag every 100 ms, so the
 distribution rate (sockets to port 8080) and the training rate (port 29500) are measured apart,
-independently of what wagent reports about itself. Targets (issue 6): the flow keeps >= 95% of
+independently of what wagent reports about itself; it runs in every run, T0 included, so each
+carries the same measuring load. Targets (issue 6): the flow keeps >= 95% of
 T0 over its whole run and >= 98% after its first 2 s; the distribution rate is at the floor within
 1 s of the flow's start; without training the pull uses >= 90% of the link; after training stops
 the pull is back to 90% of the link within 10 s.
@@ -48,7 +49,7 @@ LINK = 10**9
 DIST_PORT = 8080
 TRAIN_PORT = 29500
 FLOOR = 10**7
-SAMPLE_EVERY = 0.05
+SAMPLE_EVERY = 0.1
 MODEL = "yieldmodel"
 VERSION = "v1"
 
@@ -199,15 +200,15 @@ def run(seconds: float, size: int, json_out: str | None) -> int:
             base = srv.url_for(link.a)
             tb.iperf3_server(origin, port=TRAIN_PORT)
             res = Results(seconds)
-            first = training_alone(tb, node, link, seconds)
+            # aria2c first; then T0 right before and right after the wagent run, whose mean is
+            # the reference: on a shared machine the link's goodput drifts with the CPU load.
             res.aria2 = with_aria2c(tb, node, link, base, files, seconds, shm)
+            first = training_reference(tb, node, link, seconds)
             res.wagent = with_wagent(tb, node, link, base, seconds, shm, WAGENT,
                                      warmup=6.0 if seconds < 20 else 9.0)
-            # T0 again at the end: on a shared machine the link's goodput drifts; the mean of a
-            # run before and one after is the fairer reference.
-            last = training_alone(tb, node, link, seconds)
+            last = training_reference(tb, node, link, seconds)
             res.t0 = Flow((first.mean + last.mean) / 2, (first.after2 + last.after2) / 2,
-                          first.intervals + last.intervals)
+                          first.intervals + last.intervals, load=f"{first.load}, {last.load}")
             res.t0_runs = (first.mean, last.mean)
         res.print()
         if json_out:
@@ -223,6 +224,7 @@ class Flow:
     after2: float                        # bits/s after its first 2 s
     intervals: list[tuple[float, float, float]]
     dist: float | None = None            # distribution bits/s while the flow ran
+    load: str = ""                       # /proc/loadavg's 1-minute figure after the run
 
 
 def flow_of(res: object) -> Flow:
@@ -233,8 +235,19 @@ def flow_of(res: object) -> Flow:
 
 
 def training_alone(tb: object, node: object, link: object, seconds: float) -> Flow:
-    return flow_of(tb.iperf3(node, server=link.a.ip4, port=TRAIN_PORT,  # type: ignore
+    flow = flow_of(tb.iperf3(node, server=link.a.ip4, port=TRAIN_PORT,  # type: ignore
                              seconds=seconds, reverse=True))
+    flow.load = Path("/proc/loadavg").read_text().split()[0]
+    return flow
+
+
+def training_reference(tb: object, node: object, link: object, seconds: float) -> Flow:
+    """T0: the flow alone, with the sampler running as in the other runs (same CPU load)."""
+    sproc, _ = start_sampler(node)
+    try:
+        return training_alone(tb, node, link, seconds)
+    finally:
+        stop(sproc)
 
 
 def start_sampler(node: object) -> tuple[subprocess.Popen, Path]:
@@ -414,14 +427,16 @@ class Results:
         t0, a, w = self.t0, self.aria2, self.wagent
         print(f"\nYield on a 1 Gbit/s bottleneck, training flow {self.seconds:g} s "
               "(iperf3 -R, port 29500)\n")
-        print("| run | training flow | vs T0 | after 2 s vs T0 | distribution meanwhile |")
-        print("|---|---|---|---|---|")
-        print(f"| T0: training alone (mean of a run before, {format_rate(self.t0_runs[0])}, and "
-              f"one after, {format_rate(self.t0_runs[1])}) | {format_rate(t0.mean)} | 100% | "
-              "100% | - |")
+        print("| run | training flow | vs T0 | after 2 s vs T0 | distribution meanwhile | "
+              "load avg |")
+        print("|---|---|---|---|---|---|")
+        print(f"| T0: training alone (mean of a run right before wagent's, "
+              f"{format_rate(self.t0_runs[0])}, and one right after, "
+              f"{format_rate(self.t0_runs[1])}) | {format_rate(t0.mean)} | 100% | 100% | - | "
+              f"{t0.load} |")
         for name, f in (("aria2c -j8 beside it", a), ("wagent pull, backoff on", w.flow)):
             print(f"| {name} | {format_rate(f.mean)} | {100 * f.mean / t0.mean:.1f}% | "
-                  f"{100 * f.after2 / t0.after2:.1f}% | {format_rate(f.dist or 0)} |")
+                  f"{100 * f.after2 / t0.after2:.1f}% | {format_rate(f.dist or 0)} | {f.load} |")
         fa = "never" if w.floor_after is None else f"{w.floor_after:.2f} s"
         ba = "not within 12 s" if w.back_after is None else f"{w.back_after:.1f} s"
         print(f"\nwagent pull alone: {format_rate(w.alone)} ({100 * w.alone / LINK:.0f}% of the "

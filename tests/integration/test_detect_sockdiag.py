@@ -2,8 +2,12 @@
 
 import socket
 
+import pytest
+
 from shaping.detect.ports import PortsDetector
 from shaping.detect.sockdiag import dump_tcp
+
+pytestmark = pytest.mark.debian
 
 
 def test_dump_sees_a_loopback_connection_and_its_bytes():

@@ -140,8 +140,10 @@ def test_thread_start_stop_backs_off_and_ramps(tmp_path):
                                           nccl_processes=False), G),
                        node(tmp_path), set_kernel_ceil=ceil, set_pull_rate=pull, tick=0.1)
     backed_off, full = threading.Event(), threading.Event()
+    assert not loop.alive()
     loop.start()
     try:
+        assert loop.alive()
         training(tmp_path, True)
         for _ in range(50):
             if loop.decision and loop.decision.state == "backed_off":
@@ -156,6 +158,7 @@ def test_thread_start_stop_backs_off_and_ramps(tmp_path):
             threading.Event().wait(0.02)
     finally:
         loop.stop()
+    assert not loop.alive()
     assert backed_off.is_set() and full.is_set()
     assert 10 * M in pull.calls and ceil.calls == pull.calls
 

@@ -57,6 +57,14 @@ def test_duplicate_path_refused():
         parse(json.dumps(d).encode())
 
 
+def test_same_hash_needs_same_size():
+    d = json.loads(doc())
+    d["files"].append({"path": "other", "size": 1, "sha256": SHA,
+                       "pieces": [{"offset": 0, "size": 1, "sha256": SHA}]})
+    with pytest.raises(ManifestError, match="not its size"):
+        parse(json.dumps(d).encode())
+
+
 def test_truncated_and_malformed():
     raw = doc()
     with pytest.raises(ManifestError, match="not valid JSON.*truncated"):
