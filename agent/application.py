@@ -46,11 +46,32 @@ from agent.status import (
     StoreInfo,
     WindowInfo,
 )
-from agent.store import Store
+from agent.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
 MAX_EVENTS = 20
+VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (see _verify_shaping)
+# The state dir holds what to restore on `shaping clear`: no one else writes or reads it. The
+# store is read by nginx on a cache node (its models/ tree is served as is), so others may read.
+STATE_MODE = 0o750
+STORE_MODE = 0o755
+
+
+def make_private_dir(path: str, mode: int) -> None:
+    """Creates ``path`` (and missing parents) with ``mode`` whatever the umask; refuses an
+    existing one that other users may write to (they could swap its files under the daemon)."""
+    if not os.path.isdir(path):
+        old = os.umask(0o022)
+        try:
+            os.makedirs(path, mode=mode, exist_ok=True)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+    st = os.stat(path)
+    if st.st_mode & 0o002 and not st.st_mode & 0o1000:
+        raise StoreError(f"{path} is writable by every user (mode {st.st_mode & 0o7777:o}); "
+                         f"chmod o-w {path}, or point the policy at a directory of its own")
 
 
 @dataclass
@@ -70,6 +91,9 @@ class Parts:
     ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
     shaping_notes: tuple[str, ...] = ()  # what the last apply said
     metrics_error: str | None = None
+    shaping_error: str | None = None     # the last periodic re-apply failed (status: degraded)
+    shaping_repairs: int = 0             # times the periodic re-apply found the kernel changed
+    verify_at: float = 0.0               # monotonic time of the next re-apply
     # The shaper's netlink socket is used from the backoff thread, the main loop and control
     # threads: one at a time.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -104,21 +128,28 @@ class Application:
 
     # -- start / stop -------------------------------------------------------------------------
     def start(self, policy: Policy, controller: Any) -> Parts:
-        """Store, shaping (READY waits for it), backoff, puller, control socket, metrics."""
-        store = Store(policy.store.path)
-        store.ensure()
-        os.makedirs(policy.state_dir, exist_ok=True)
+        """Control socket, store, shaping (READY waits for it), backoff, puller, metrics.
+
+        The control socket comes first: its lock is what tells a second ``wagent run`` that a
+        daemon is live, and that one must refuse before it touches the kernel or the store."""
+        control = ControlServer(policy.control.socket, controller, group=policy.control.group)
+        control.start()
+        try:
+            store = Store(policy.store.path)
+            make_private_dir(policy.store.path, STORE_MODE)
+            store.ensure()
+            make_private_dir(policy.state_dir, STATE_MODE)
+        except BaseException:
+            control.stop()
+            raise
         bucket = TokenBucket(policy.pulls.rate)
         parts = Parts(policy=policy, identity=self.identify(policy), store=store, bucket=bucket,
-                      puller=None)  # type: ignore[arg-type]
+                      puller=None, control=control)  # type: ignore[arg-type]
         parts.puller = Puller(policy, self._puller_deps(parts))
         try:
             self._apply_shaping(parts, policy)
             self._start_backoff(parts)
             parts.puller.start()
-            parts.control = ControlServer(policy.control.socket, controller,
-                                          group=policy.control.group)
-            parts.control.start()
             parts.metrics = self._start_metrics(parts, policy)
         except BaseException:
             self.stop(parts, 2.0)
@@ -147,9 +178,10 @@ class Application:
         old = parts.policy
         if new.store.path != old.store.path:
             store = Store(new.store.path)
+            make_private_dir(new.store.path, STORE_MODE)
             store.ensure()
             parts.store = store
-        os.makedirs(new.state_dir, exist_ok=True)
+        make_private_dir(new.state_dir, STATE_MODE)
         # Shaping first: if the kernel refuses the new tree, nothing else has changed yet.
         had_shaper = parts.shaper is not None
         with parts.lock:
@@ -360,13 +392,46 @@ class Application:
     def error_counts(self, parts: Parts | None) -> dict[str, int]:
         if parts is None:
             return {}
-        counts = {"pull": parts.puller.failures_total}
+        counts = {"pull": parts.puller.failures_total,
+                  "shaping_repairs": parts.shaping_repairs}
         if parts.backoff is not None:
             counts["backoff_apply"] = parts.backoff.apply_errors
         return counts
 
     def supervise(self, parts: Parts) -> None:
         parts.puller.supervise()
+        self._verify_shaping(parts)
+
+    def _verify_shaping(self, parts: Parts) -> None:
+        """Every VERIFY_EVERY seconds, reconcile the kernel with the plan again. An interface
+        that was removed and re-created (a driver reset, a bond rebuilt) comes back with the
+        kernel's default qdisc and no ingress redirect: unshaped, while set_ceil on the IFB
+        still succeeds. An unchanged kernel costs a few dumps and sends nothing."""
+        if parts.shaper is None:
+            return
+        now = time.monotonic()
+        if now < parts.verify_at:
+            return
+        parts.verify_at = now + VERIFY_EVERY
+        try:
+            with parts.lock:
+                report = parts.shaper.apply(ceil=parts.ceil_bps, quiet=True)
+        except Exception as e:
+            message = f"re-applying the caps failed: {e}"
+            if message != parts.shaping_error:
+                log.error("%s", message)
+            parts.shaping_error = message
+            return
+        parts.shaping_error = None
+        if report.changed:
+            parts.shaping_repairs += 1
+            log.warning("the kernel no longer had wagent's caps as planned (an interface "
+                        "re-created, or tc run by hand?); re-applied %d change(s)",
+                        len(report.actions))
+        if tuple(report.notes) != parts.shaping_notes:
+            for note in report.notes:
+                log.warning("%s", note)
+            parts.shaping_notes = tuple(report.notes)
 
     def pause(self, parts: Parts) -> None:
         parts.puller.pause()
@@ -409,6 +474,7 @@ class Application:
             error = None
         except Exception as e:
             interfaces, error = (), f"reading the tc counters failed: {e}"
+        error = parts.shaping_error or error
         return ShapingInfo(enabled=True, cap_bps=sh.ceil, current_ceil_bps=parts.ceil_bps,
                            interfaces=interfaces, error=error, notes=parts.shaping_notes)
 

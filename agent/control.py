@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import grp
 import json
 import logging
@@ -148,12 +149,25 @@ class ControlServer:
         self.read_timeout = read_timeout
         self._slots = threading.BoundedSemaphore(max_clients)
         self._sock: socket.socket | None = None
+        self._lock: int | None = None
+        self._inode: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._sock = _bind(self.path, self.group)
+        """Takes the socket's lock, then binds; raises ControlError when another daemon holds
+        it. Call it before changing anything else: it is what keeps a second ``wagent run``
+        from applying shaping or pulling beside a live daemon."""
+        self._lock = _take_lock(self.path)
+        try:
+            self._sock = _bind(self.path, self.group)
+        except BaseException:
+            os.close(self._lock)
+            self._lock = None
+            raise
+        st = os.stat(self.path)
+        self._inode = (st.st_dev, st.st_ino)
         self._sock.settimeout(0.5)  # the accept loop checks for stop twice a second
         self._stop.clear()
         self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
@@ -172,7 +186,12 @@ class ControlServer:
             self._sock.close()
             self._sock = None
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._inode:   # never another daemon's socket
+                    os.unlink(self.path)
+        if self._lock is not None:
+            os.close(self._lock)       # the lock file stays: unlinking it would race a starter
+            self._lock = None
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -251,9 +270,31 @@ def _read_line(conn: socket.socket, timeout: float, limit: int) -> bytes:
     return line
 
 
+def _take_lock(path: str) -> int:
+    """An flock on ``{path}.lock``, held while the daemon runs. Connecting to the socket alone
+    can't tell a live daemon from a stale file reliably (a daemon between bind and listen
+    refuses connections, so two starters could each unlink the other's socket); the lock can."""
+    Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    lock = f"{path}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise ControlError(f"can't open the control lock {lock}: {e.strerror}", "setup") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ControlError(f"another wagent daemon (pid {holder}) is running with the control "
+                           f"socket {path}; stop it first (systemctl stop wagent), or give this "
+                           "one another control.socket", "setup") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def _bind(path: str, group: str | None) -> socket.socket:
     p = Path(path)
-    p.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise ControlError(f"{path} exists and is not a socket; remove it or set "

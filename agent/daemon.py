@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 TICK = 1.0
 STOP_BUDGET = 4.0          # seconds for the workers to stop; systemd's default is 90, ours is 5
+EXIT_DEADLINE = 4.8        # after SIGTERM the process exits by then, stopped cleanly or not
 RELOAD_WAIT = 120.0        # a control client waits this long for a reload's answer
 
 
@@ -57,7 +58,8 @@ class Daemon:
 
     def __init__(self, app: Any, notifier: Notifier, *, clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
-                 watchdog_interval: float | None = None) -> None:
+                 watchdog_interval: float | None = None,
+                 hard_exit: Callable[[int], Any] | None = os._exit) -> None:
         self.app = app
         self.notifier = notifier
         self.clock = clock
@@ -70,6 +72,10 @@ class Daemon:
         self.error_counts: Counter[str] = Counter()
         self._requests: deque[_Request] = deque()
         self._stop = False
+        self._stop_at: float | None = None
+        self._hup_pending = False
+        self._exit_timer: threading.Timer | None = None
+        self.hard_exit = hard_exit
         self._rfd, self._wfd = os.pipe()
         for fd in (self._rfd, self._wfd):
             fl = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -86,18 +92,23 @@ class Daemon:
                                       loaded_at=self.clock())
 
     def run(self, policy: Policy) -> int:
-        self.start(policy)
+        # Signals first: a SIGHUP while shaping is applied must not kill the daemon (its
+        # default action), and a SIGTERM then stops it right after start.
         previous = self._install_signals()
         try:
-            self._tick()
-            self.notifier.ready()
-            log.info("wagent %s running, policy %s (sha256 %s)", __version__, policy.path,
-                     policy.sha256[:12])
-            self._loop()
+            self.start(policy)
+            if not self._stop:
+                self._tick()
+                self.notifier.ready()
+                log.info("wagent %s running, policy %s (sha256 %s)", __version__,
+                         policy.path, policy.sha256[:12])
+                self._loop()
         finally:
             self.notifier.stopping()
             self.notifier.status("stopping")
-            self.app.stop(self.parts, STOP_BUDGET)
+            self.app.stop(self.parts, self._stop_budget())
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()       # stopped in time: a normal exit
             self._restore_signals(previous)
             os.close(self._rfd)
             os.close(self._wfd)
@@ -105,8 +116,20 @@ class Daemon:
         return 0
 
     def request_stop(self) -> None:
-        self._stop = True
+        self._stop_requested()
         self._wake()
+
+    def _stop_requested(self) -> None:
+        if self._stop_at is None:
+            self._stop_at = self.monotonic()
+        self._stop = True
+
+    def _stop_budget(self) -> float:
+        """What is left of STOP_BUDGET since the stop was asked for: a SIGTERM that came in
+        the middle of a reload has already waited for it."""
+        if self._stop_at is None:
+            return STOP_BUDGET
+        return max(0.5, STOP_BUDGET - (self.monotonic() - self._stop_at))
 
     def _loop(self) -> None:
         sel = selectors.DefaultSelector()
@@ -160,10 +183,27 @@ class Daemon:
             signal.signal(sig, handler)
 
     def _on_sighup(self, signum: int, frame: object) -> None:
-        self._requests.append(_Request("reload"))
+        # A storm of SIGHUPs is one reload: any reload not yet started reads the file as it
+        # is when it runs, so a second queued one would only repeat it.
+        if not self._hup_pending:
+            self._hup_pending = True
+            self._requests.append(_Request("reload"))
 
     def _on_stop(self, signum: int, frame: object) -> None:
-        self._stop = True
+        first = not self._stop
+        self._stop_requested()
+        if first and self.hard_exit is not None:
+            # Whatever the main thread is stuck in (a reload, a kernel call), the process is
+            # gone within EXIT_DEADLINE: systemd and the issue ask for 5 s.
+            self._exit_timer = threading.Timer(EXIT_DEADLINE, self._exit_now)
+            self._exit_timer.daemon = True
+            self._exit_timer.start()
+
+    def _exit_now(self) -> None:
+        log.error("not stopped within %g s of SIGTERM; exiting now (partials are kept, caps "
+                  "stay in place)", EXIT_DEADLINE)
+        assert self.hard_exit is not None
+        self.hard_exit(0)
 
     # -- the tick ---------------------------------------------------------------------------
     def workers(self) -> dict[str, bool]:
@@ -203,6 +243,8 @@ class Daemon:
 
     # -- requests (main thread) -------------------------------------------------------------
     def _handle(self, req: _Request) -> None:
+        if req.kind == "reload":
+            self._hup_pending = False   # a SIGHUP from now on may find a newer file: queue it
         try:
             if req.kind == "reload":
                 req.result = self._reload()

@@ -33,6 +33,21 @@ def hash_range(path: Path, offset: int, size: int, chunk: int = CHUNK) -> str:
     return h.hexdigest()
 
 
+def fd_range_sha256(fd: int, offset: int, size: int, chunk: int = CHUNK) -> str:
+    """sha256 of bytes [offset, offset+size) of an open file (positional reads: thread-safe);
+    a file that ends early hashes what it has, which then fails the comparison."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(min(chunk, max(size, 1))))
+    left = size
+    while left:
+        n = os.preadv(fd, [buf[:min(left, len(buf))]], offset)
+        if not n:
+            break
+        h.update(buf[:n])
+        left, offset = left - n, offset + n
+    return h.hexdigest()
+
+
 def file_sha256(path: Path) -> str:
     return hash_range(path, 0, os.stat(path).st_size)
 

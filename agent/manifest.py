@@ -9,8 +9,10 @@ A version lives at ``{source}/{model}/{version}/`` beside a ``manifest.json``::
 Every file's pieces tile it exactly (contiguous from offset 0 to its size), so a file whose pieces
 all verify is the file the publisher hashed. Paths are checked here, before anything is written:
 relative, ``/``-separated, no empty, ``.`` or ``..`` parts, no backslash, NUL or control characters,
-and no path that is a directory of another one (a file ``a`` and a file ``a/b`` would make the store
-write through a symlink).
+UTF-8, names of at most 255 bytes (the file system's limit, found before the download rather than
+at publish), nothing at or under ``manifest.json``, and no path that is a directory of another one
+(a file ``a`` and a file ``a/b`` would make the store write through a symlink), also when compared
+without case (``A`` and ``a/b`` collide on a case-folding file system, or once copied to one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +32,8 @@ FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIECE_SIZE = 64 * 2**20
 MAX_MANIFEST_BYTES = 64 * 2**20
+MAX_NAME_BYTES = 255                  # NAME_MAX of Linux file systems
+MAX_PATH_BYTES = 1024                 # well inside PATH_MAX (4096) once under a store
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}$")
 _RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
@@ -82,13 +87,25 @@ def check_path(path: object) -> str:
         raise ManifestError(f"file path {path!r} is absolute; paths are relative to the version")
     if "\\" in path or any(ord(c) < 0x20 or c == "\x7f" for c in path):
         raise ManifestError(f"file path {path!r} holds a backslash or a control character")
-    for part in path.split("/"):
+    try:
+        size = len(path.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ManifestError(f"file path {path!r} is not valid UTF-8") from None
+    if size > MAX_PATH_BYTES:
+        raise ManifestError(f"file path {path[:60]!r}... is {size} bytes long; at most "
+                            f"{MAX_PATH_BYTES}")
+    parts = path.split("/")
+    for part in parts:
         if part in ("", ".", ".."):
             raise ManifestError(
                 f"file path {path!r} has an empty, '.' or '..' part; it must stay inside the "
                 "version directory")
-    if path == MANIFEST_NAME:
-        raise ManifestError(f"file path {path!r} is reserved for the manifest itself")
+        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+            raise ManifestError(f"file path {path[:60]!r}... has a name longer than "
+                                f"{MAX_NAME_BYTES} bytes, which no file system stores")
+    if parts[0] == MANIFEST_NAME:
+        raise ManifestError(f"file path {path!r}: {MANIFEST_NAME!r} is reserved for the manifest "
+                            "itself")
     return path
 
 
@@ -152,22 +169,32 @@ def _file_entry(index: int, f: object) -> FileEntry:
     return FileEntry(path, size, sha, tuple(pieces))
 
 
+def _fold(path: str) -> str:
+    return unicodedata.normalize("NFC", path).casefold()
+
+
 def _check_tree(entries: Iterable[FileEntry], where: str) -> None:
-    paths = set()
+    paths: dict[str, str] = {}          # folded path -> path
     sizes: dict[str, int] = {}
     for e in entries:
-        if e.path in paths:
-            raise ManifestError(f"{where}: file path {e.path!r} appears twice")
-        paths.add(e.path)
+        folded = _fold(e.path)
+        other = paths.get(folded)
+        paths[folded] = e.path
+        if other is not None:
+            if other == e.path:
+                raise ManifestError(f"{where}: file path {e.path!r} appears twice")
+            raise ManifestError(f"{where}: file paths {other!r} and {e.path!r} differ only in "
+                                "case or Unicode form; a case-folding file system would see one")
         if sizes.setdefault(e.sha256, e.size) != e.size:
             raise ManifestError(f"{where}: {e.path!r} has the sha256 of another file but not "
                                 "its size; rebuild the manifest")
-    for p in paths:
-        parts = p.split("/")
+    for folded, p in paths.items():
+        parts = folded.split("/")
         for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in paths:
-                raise ManifestError(f"{where}: {'/'.join(parts[:i])!r} is a file and also a "
-                                    f"directory of {p!r}")
+            prefix = paths.get("/".join(parts[:i]))
+            if prefix is not None:
+                raise ManifestError(f"{where}: {prefix!r} is a file and also a directory of "
+                                    f"{p!r}")
 
 
 def _count(v: object, what: str) -> int:

@@ -31,7 +31,6 @@ from agent.status import PullInfo
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Progress:
     done: int                   # bytes of the version present (resumed, copied, fetched)
@@ -272,9 +271,11 @@ class Puller:
                 # stopped on purpose (pause, window, reload, shutdown): partials are kept
                 self._set(model, state="paused" if self._paused else "idle", streams=0)
                 return 0.1
-            st = self._states[model.name]
-            st.failures += 1
             self.failures_total += 1
+            st = self._states.get(model.name)
+            if st is None:               # dropped by a reload meanwhile: nothing to retry
+                return 0.0
+            st.failures += 1
             delay = min(self.policy.poll_interval, 10.0 * 2 ** min(st.failures - 1, 6))
             st.retry_at = d.clock() + delay
             log.warning("pull %s %s failed (retry in %.0f s): %s", model.name, version, delay, e)
@@ -284,7 +285,12 @@ class Puller:
         if stop.is_set() and not d.have(model, version):
             self._set(model, state="paused" if self._paused else "idle", streams=0)
             return 0.1
-        st = self._states[model.name]
+        st = self._states.get(model.name)
+        if st is None:
+            # A reload dropped the model as its last piece landed: the version is in the
+            # store (eviction decides its fate under the new policy), nothing to report.
+            log.info("pulled %s %s, no longer in the policy", model.name, version)
+            return 0.0
         st.failures = 0
         self._set(model, state="done", finished_at=d.clock(), streams=0, error=None,
                   local_version=version)

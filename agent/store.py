@@ -11,6 +11,10 @@ A version directory is built aside (``models/{model}/.tmp-...``) and renamed int
 appears whole or not at all; it holds the origin's manifest.json, which makes ``models/`` a valid
 origin for other nodes (nginx follows the symlinks). The store never writes through a symlink:
 every directory it writes into is checked with lstat first, and manifest paths are checked before.
+
+What a crash can leave (a ``.tmp-`` or ``.trash-`` directory, a partial file nobody resumes, a
+journal whose file already landed) is cleaned up by ``evict``, which runs only while no pull holds
+the store.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from agent import evict as evict_choice
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError, check_name, parse, published_ts
 
 log = logging.getLogger(__name__)
+PARTIAL_AFTER = 7 * 86400.0     # a partial file no pull advanced for a week is dropped
 
 
 class StoreError(Exception):
@@ -50,8 +55,8 @@ class VersionInfo:
 
 @dataclass(frozen=True)
 class Removed:
-    kind: str                  # "version" or "blob"
-    name: str                  # "model/version" or the blob's sha256
+    kind: str                  # "version", "blob" or "partial"
+    name: str                  # "model/version", or the blob's (partial file's) sha256
     size: int
 
 
@@ -95,14 +100,34 @@ class Store:
             return False
 
     def blob_shas(self) -> set[str]:
+        """Names of the regular files in blobs/ (a symlink there is no blob: has_blob agrees)."""
         try:
-            return {n for n in os.listdir(self.blobs) if len(n) == 64}
+            with os.scandir(self.blobs) as it:
+                return {e.name for e in it if len(e.name) == 64
+                        and e.is_file(follow_symlinks=False)}
         except FileNotFoundError:
             return set()
 
     # -- installed versions ---------------------------------------------------------------------
     def installed(self, model: str, version: str) -> Manifest | None:
-        """The manifest of an installed version whose blobs are all present, else None."""
+        """The manifest of an installed version: a real directory whose every file links to
+        its blob, and every blob present; else None (a pull then publishes it anew)."""
+        d = self.version_dir(model, version)
+        m = self._version_manifest(model, version)
+        if m is None or os.path.islink(d):
+            return None
+        for f in m.files:
+            try:
+                link = os.readlink(d / f.path)
+            except OSError:
+                return None
+            if link != os.path.relpath(self.blob_path(f.sha256), (d / f.path).parent) \
+                    or not self.has_blob(f.sha256):
+                return None
+        return m
+
+    def _version_manifest(self, model: str, version: str) -> Manifest | None:
+        """The manifest.json of a version directory, complete or not."""
         path = self.version_dir(model, version) / MANIFEST_NAME
         try:
             m = parse(path.read_bytes(), str(path))
@@ -111,7 +136,10 @@ class Store:
         except ManifestError as e:
             log.warning("ignoring installed version: %s", e)
             return None
-        return m if all(self.has_blob(f.sha256) for f in m.files) else None
+        if (m.model, m.version) != (model, version):
+            log.warning("ignoring %s: it names %s/%s", path, m.model, m.version)
+            return None
+        return m
 
     def model_names(self) -> list[str]:
         try:
@@ -160,11 +188,15 @@ class Store:
 
     # -- writing --------------------------------------------------------------------------------
     def add_blob(self, src: Path, sha256: str) -> Path:
-        """Move a verified file into blobs/ (same file system: a rename)."""
+        """Move a verified file into blobs/ (same file system: a rename), then make it read-only.
+
+        Read-only only after the rename: a part file left 0444 by a crash could not be reopened
+        for writing by a pull that doesn't run as root.
+        """
         real_dir(self.blobs)
         dest = self.blob_path(sha256)
-        os.chmod(src, 0o444)
         os.replace(src, dest)
+        os.chmod(dest, 0o444)
         return dest
 
     def publish(self, m: Manifest, manifest_bytes: bytes, now: float) -> Path:
@@ -174,7 +206,7 @@ class Store:
             raise StoreError(f"cannot publish {m.model}/{m.version}: blobs missing for {missing}")
         model_dir = real_dir(self.model_dir(m.model))
         final = self.version_dir(m.model, m.version)
-        if os.path.lexists(final):
+        if self.installed(m.model, m.version) is not None:
             self.touch(m.model, m.version, now)
             return final
         tmp = model_dir / f".tmp-{m.version}-{uuid.uuid4().hex[:8]}"
@@ -184,13 +216,23 @@ class Store:
                 dest = tmp / f.path
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 os.symlink(os.path.relpath(self.blob_path(f.sha256), dest.parent), dest)
-            (tmp / MANIFEST_NAME).write_bytes(manifest_bytes)
+            with open(tmp / MANIFEST_NAME, "wb") as out:
+                out.write(manifest_bytes)
+                os.fsync(out.fileno())      # never a version directory with an empty manifest
             try:
                 os.rename(tmp, final)
             except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
                     raise
-                shutil.rmtree(tmp)          # another pull published it first
+                if self.installed(m.model, m.version) is not None:
+                    shutil.rmtree(tmp)      # another pull published it first
+                else:
+                    # Something broken stands there (a symlink, a file, a version a crash or a
+                    # hand left incomplete): set it aside, then put the good one in its place.
+                    trash = model_dir / f".trash-{m.version}-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, trash)
+                    os.rename(tmp, final)
+                    _remove(trash)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -199,9 +241,20 @@ class Store:
 
     def touch(self, model: str, version: str, now: float) -> None:
         """Record that a version was used now (eviction drops least recently used first)."""
-        usage = self._read_usage()
-        usage[f"{model}/{version}"] = now
-        self._write_usage(usage)
+        with self._usage_lock():
+            usage = self._read_usage()
+            usage[f"{model}/{version}"] = now
+            self._write_usage(usage)
+
+    @contextlib.contextmanager
+    def _usage_lock(self) -> Iterator[None]:
+        """Two pulls may touch at once (both hold the store lock shared): no lost update."""
+        fd = os.open(self.root / ".usage.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def _read_usage(self) -> dict[str, float]:
         try:
@@ -211,7 +264,7 @@ class Store:
             return {}
 
     def _write_usage(self, usage: Mapping[str, float]) -> None:
-        tmp = self._usage_file.with_name(f".usage.{uuid.uuid4().hex[:8]}")
+        tmp = self._usage_file.with_name(f".usage.tmp-{uuid.uuid4().hex[:8]}")
         tmp.write_text(json.dumps(dict(sorted(usage.items())), indent=1))
         os.replace(tmp, self._usage_file)
 
@@ -238,9 +291,14 @@ class Store:
             os.close(fd)
 
     def evict(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
-              max_size: int | None, now: float, evict_after: float | None = None
-              ) -> list[Removed]:
-        """Remove what the rules of agent.evict choose; returns what went (nothing if busy)."""
+              max_size: int | None, now: float, evict_after: float | None = None,
+              partial_after: float | None = PARTIAL_AFTER) -> list[Removed]:
+        """Remove what the rules of agent.evict choose; returns what went (nothing if busy).
+
+        Also cleans what crashes leave: ``.tmp-``/``.trash-`` directories, journals of files
+        that landed, and partial files no pull has advanced for ``partial_after`` seconds (a
+        version no longer wanted would otherwise hold its preallocated space for ever).
+        """
         if not self.root.is_dir():
             return []
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -250,9 +308,39 @@ class Store:
             except BlockingIOError:
                 log.info("store %s busy (a pull is running): eviction deferred", self.root)
                 return []
-            return self._evict_locked(keep, pins, max_size, now, evict_after)
+            removed = self._clean_leftovers(now, partial_after)
+            return removed + self._evict_locked(keep, pins, max_size, now, evict_after)
         finally:
             os.close(fd)
+
+    def _clean_leftovers(self, now: float, partial_after: float | None) -> list[Removed]:
+        for model in self.model_names():
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, ManifestError), \
+                    os.scandir(self.model_dir(model)) as it:
+                for e in it:
+                    if e.name.startswith((".tmp-", ".trash-")):
+                        _remove(Path(e.path))
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
+            for e in it:
+                if e.name.startswith(".usage.tmp-"):
+                    _remove(Path(e.path))
+        blobs = self.blob_shas()
+        by_sha: dict[str, list[os.DirEntry[str]]] = {}
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.partial) as it:
+            for e in it:
+                by_sha.setdefault(e.name.split(".", 1)[0], []).append(e)
+        removed = []
+        for sha, entries in sorted(by_sha.items()):
+            stats = []
+            for e in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    stats.append(e.stat(follow_symlinks=False))
+            idle = now - max((st.st_mtime for st in stats), default=now)
+            if sha in blobs or (partial_after is not None and idle >= partial_after):
+                for e in entries:
+                    _remove(Path(e.path))
+                removed.append(Removed("partial", sha, sum(st.st_blocks * 512 for st in stats)))
+        return removed
 
     def _evict_locked(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
                       max_size: int | None, now: float, evict_after: float | None
@@ -260,7 +348,11 @@ class Store:
         usage = self._read_usage()
         uses = []
         sizes_by_version = {}
-        for m in self.manifests():
+        # Every version with a readable manifest, complete or not: the blobs of a kept version
+        # that lost one of them stay, so pulling it again fetches only what is missing.
+        every = [m for model in self.model_names() for v in self._version_names(model)
+                 if (m := self._version_manifest(model, v)) is not None]
+        for m in every:
             pub = published_ts(m.published)
             key = f"{m.model}/{m.version}"
             uses.append(evict_choice.VersionUse(m.model, m.version, pub, usage.get(key, pub),
@@ -277,7 +369,7 @@ class Store:
             d = self.version_dir(model, version)
             trash = d.with_name(f".trash-{version}-{uuid.uuid4().hex[:8]}")
             os.rename(d, trash)            # the version disappears at once, then is cleaned up
-            shutil.rmtree(trash)
+            _remove(trash)
             usage.pop(f"{model}/{version}", None)
             removed.append(Removed("version", f"{model}/{version}",
                                    sizes_by_version[f"{model}/{version}"]))
@@ -288,6 +380,15 @@ class Store:
         if choice.versions:
             self._write_usage(usage)
         return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a symlink (never what it points to) or a directory tree."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def real_dir(path: Path) -> Path:

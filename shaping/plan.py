@@ -46,8 +46,9 @@ TICKS_PER_SECOND = 15_625_000            # psched ticks: 64 ns since Linux 2.6.3
 # Root qdiscs the kernel attaches by itself; replacing them takes nothing from anyone.
 DEFAULT_KINDS = frozenset({"noqueue", "pfifo_fast", "fq_codel", "fq", "mq", "noop"})
 # Kinds wagent re-creates (with kernel-default parameters) when it restores a taken-over root.
+# mq comes back with the default qdisc (net.core.default_qdisc) on each queue.
 RESTORABLE_KINDS = frozenset({"pfifo", "bfifo", "pfifo_fast", "fq_codel", "fq", "sfq", "codel",
-                              "cake"})
+                              "cake", "mq"})
 
 
 @dataclass(frozen=True)
@@ -272,10 +273,20 @@ def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> Plan:
     pull_ports = _checked_ports(shaping.pull_ports or source_ports(sources), "pull_ports")
     serve_ports = _checked_ports(shaping.serve_ports, "serve_ports")
     plans = []
+    ifbs: dict[str, str] = {}
     for interface in shaping.interfaces:
         if not interface or len(interface) > 15 or "/" in interface or " " in interface:
             raise PlanError(f"shaping.interfaces: {interface!r} is not an interface name "
                             "(1 to 15 characters, no '/' or spaces)")
+        if pull_ports:
+            # A cut name can equal another interface's (or a named interface): one IFB would
+            # then carry two interfaces' ingress, and clearing one would drop the other's.
+            clash = ifbs.get(ifb_name(interface)) or (
+                ifb_name(interface) if ifb_name(interface) in shaping.interfaces else None)
+            if clash is not None:
+                raise PlanError(f"shaping.interfaces: {interface!r} and {clash!r} would share "
+                                f"wagent's IFB {ifb_name(interface)!r}; rename one of them")
+            ifbs[ifb_name(interface)] = interface
         egress = _tree(interface, serve_ports, shaping) if serve_ports else None
         ifb, ingress, redirect = "", None, None
         if pull_ports:

@@ -90,12 +90,14 @@ class Shaper:
                     ingress=_with_ceil(ip.ingress, self._live.ceil))
             for ip in self._plan.interfaces))
 
-    def apply(self, dry_run: bool = False, ceil: int | None = None) -> ApplyReport:
+    def apply(self, dry_run: bool = False, ceil: int | None = None,
+              quiet: bool = False) -> ApplyReport:
         """Bring the kernel to the plan; interfaces wagent shaped and the policy no longer names
         are cleared. Safe to repeat: an unchanged plan sends nothing.
 
         ``ceil`` is the distribution ceil to install instead of the policy's (a reload while
-        backed off keeps the backoff's ceil, so the cap never opens in between)."""
+        backed off keeps the backoff's ceil, so the cap never opens in between). ``quiet``
+        leaves the notes to the caller to log (a periodic re-apply logs them once)."""
         if ceil is not None:
             self._live.ceil = ceil
         plan = self.plan()
@@ -139,8 +141,9 @@ class Shaper:
                 if not dry_run:
                     del records[name]
                     state.save(self._state_dir, records)
-        for note in notes:
-            log.warning("%s", note)
+        if not quiet:
+            for note in notes:
+                log.warning("%s", note)
         self._live.indexes.clear()
         notes += [f"{name}: adopted wagent's existing tree (handle 5747:)" for name in adopted]
         return ApplyReport(tuple(actions), tuple(notes), dry_run, tuple(adopted))

@@ -2,11 +2,13 @@
 
 The faulty server is a real HTTP/1.1 server (http.server) that serves byte ranges of files under a
 root, and misbehaves on purpose for requests matching ``fault_on``: more or fewer bytes than asked,
-a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500.
+a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500, a gzip
+body (a server compressing despite ``Accept-Encoding: identity``), a body that stalls half way.
 """
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import os
 import re
@@ -141,7 +143,7 @@ class LoopbackNginx:
 
 
 FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
-          "error_500")
+          "error_500", "gzip", "stall")
 
 
 class FaultyServer:
@@ -163,6 +165,7 @@ class FaultyServer:
         self.requests: list[tuple[str, str | None, int]] = []   # (path, Range, status)
         self.lock = threading.Lock()
         self.etag_generation = 0
+        self.unstall = threading.Event()          # set on close: stalled bodies end
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -243,6 +246,14 @@ class FaultyServer:
         elif fault == "corrupt":
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         headers = {"ETag": etag, "Content-Range": cr}
+        if fault == "gzip":
+            headers["Content-Encoding"] = "gzip"
+            body = gzip.compress(body, 1)
+        if fault == "stall":
+            # Headers and half the body, then nothing (the connection stays open).
+            self._send(h, path, rng, 206, body[:len(body) // 2], headers, length=len(body))
+            self.unstall.wait(30)
+            return
         if fault == "fewer":
             # Claim the full length, send less, then close: a truncated body.
             self._send(h, path, rng, 206, body, headers, length=end + 1 - start, close=True)
@@ -275,6 +286,7 @@ class FaultyServer:
             pass
 
     def close(self) -> None:
+        self.unstall.set()
         self.server.shutdown()
         self.server.server_close()
 

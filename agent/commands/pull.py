@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-files", action="store_true",
                    help="also re-read and hash each whole file (pieces are always verified)")
     p.add_argument("--policy", metavar="FILE",
-                   help="take pull settings (streams, timeouts, retries, rate) from a policy")
+                   help="take pull settings (streams, timeouts, retries, rate) from a policy, "
+                        "and run its shaping and backoff beside the pull")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
 
@@ -54,7 +55,35 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.policy:
+        return run_with_policy(args)
     return run_pull(args, bucket=None)
+
+
+def run_with_policy(args: argparse.Namespace) -> int:
+    """``--policy``: the policy's shaping (the ingress cap) and backoff run beside the pull."""
+    from agent.policy import PolicyError, load_policy
+    from shaping.backoff import pull_backoff
+    from shaping.errors import ShapingError
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as e:
+        print(f"wagent pull: the policy is refused:\n{e}", file=sys.stderr)
+        return 1
+    try:
+        rate = parse_rate(args.rate) if args.rate else None
+        source = split_url(args.url)[0]
+    except (UnitError, ValueError) as e:
+        print(f"wagent pull: {e}", file=sys.stderr)
+        return 2
+    bucket = TokenBucket(None)
+    try:
+        with pull_backoff(policy, bucket, rate=rate, sources=[Source(source)]):
+            return run_pull(args, bucket)
+    except ShapingError as e:
+        print(f"wagent pull: shaping: {e}", file=sys.stderr)
+        return 1
 
 
 def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,

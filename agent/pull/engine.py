@@ -201,16 +201,15 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 partials[sha] = Partial(store.partial, sha,
                                         next(f.size for f in m.files if f.sha256 == sha),
                                         durable=options.durable)
-    except PartialBusy as e:
-        for part in partials.values():
-            part.close()
-        raise PullError(str(e)) from None
-    try:
         p = planning.plan(m, blobs, store.piece_index() if partials else {},
                           {sha: part.done for sha, part in partials.items()})
         for fp in p.files:
             partials[fp.sha256].keep_only({piece.offset for piece in fp.done})
             partials[fp.sha256].preallocate()
+    except PartialBusy as e:
+        for part in partials.values():
+            part.close()
+        raise PullError(str(e)) from None
     except OSError as e:
         for part in partials.values():
             part.close()
@@ -238,9 +237,10 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     window_lock = threading.Lock()
+    broken: list[bool] = []
 
     def emit(event: str, path: str | None = None, files_done: int | None = None) -> None:
-        if progress is None:
+        if progress is None or broken:
             return
         now = clock()
         with transfer.cond:
@@ -253,9 +253,15 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
             span = now - window[0][0]
             rate = (fetched - window[0][1]) / span if span > 0 else 0.0
         landed = transfer.files_done if files_done is None else files_done
-        progress(PullProgress(
-            m.model, m.version, event, p.bytes_total, base_done + verified, fetched, reused,
-            rate, busy, len(p.present) + landed, len(first), now - started, path))
+        try:
+            progress(PullProgress(
+                m.model, m.version, event, p.bytes_total, base_done + verified, fetched, reused,
+                rate, busy, len(p.present) + landed, len(first), now - started, path))
+        except Exception:
+            # Progress is for show: a display that fails must not fail (or leak) the pull.
+            broken.append(True)
+            log.exception("progress callback failed; no more progress for %s/%s", m.model,
+                          m.version)
 
     emit("start")
     try:

@@ -3,8 +3,10 @@
 One ``requests.Session`` per stream (connection reuse, no sharing across threads). TLS verification
 is always on, with an optional CA bundle per source; a per-source proxy; per-source credentials read
 from a file (``bearer TOKEN`` or ``basic USER:PASSWORD``), never logged nor put in an error message.
-Range responses are checked to the byte: status 206 (a 200 is a full body, refused), a
-``Content-Range`` naming exactly the bytes asked for, and exactly that many bytes in the body.
+Range responses are checked to the byte: status 206 (a 200 is a full body, refused), no
+``Content-Encoding``, a ``Content-Range`` naming exactly the bytes asked for, and exactly that many
+bytes in the body. The read timeout bounds every read of a body, so a server that stalls mid-body
+costs one timeout, then the piece moves to the next source.
 """
 
 from __future__ import annotations
@@ -141,6 +143,13 @@ class Client:
                                  "request; the source must serve byte ranges")
             if r.status_code != 206:
                 raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+            encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding != "identity":
+                # Despite "Accept-Encoding: identity": these would be bytes of a compressed
+                # stream, not of the file; say so rather than report a hash mismatch.
+                raise FetchError(f"{redact(url)}: sent Content-Encoding {encoding} for a byte "
+                                 "range; the source must serve files uncompressed (e.g. nginx: "
+                                 "gzip off for them)")
             if etag and new_etag and new_etag != etag:
                 raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
                                    f"{new_etag})", new_etag)
@@ -209,7 +218,7 @@ class Client:
 
 
 def _why(e: BaseException) -> str:
-    if isinstance(e, urllib3.exceptions.ReadTimeoutError):
+    if isinstance(e, urllib3.exceptions.ReadTimeoutError | TimeoutError):
         return "timed out reading"
     if isinstance(e, urllib3.exceptions.ProtocolError | urllib3.exceptions.IncompleteRead):
         return "the connection broke or the body ended early"

@@ -38,6 +38,14 @@ class Partial:
         self.etags: dict[str, str] = {}
         self._lock = threading.Lock()
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = self._jfd = -1
+        try:
+            self._open(flags)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, flags: int) -> None:
         part_existed = self.part_path.exists()
         self.fd = os.open(self.part_path, flags, 0o644)
         self._jfd = os.open(self.journal_path, flags | os.O_APPEND, 0o644)
@@ -45,12 +53,16 @@ class Partial:
             # One pull per partial file: a second pull of the same file waits for another turn.
             fcntl.flock(self._jfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.close()
-            raise PartialBusy(f"another pull is already fetching {sha256} into "
-                              f"{directory}; try again when it ends") from None
+            raise PartialBusy(f"another pull is already fetching {self.sha256} into "
+                              f"{self.part_path.parent}; try again when it ends") from None
         self._load()
         if not part_existed:
             self.done.clear()           # a journal without its part file claims nothing
+        # A part file cut short (by hand, or a file system that lost its tail) no longer holds
+        # the pieces past its end, whatever the journal says.
+        end = os.fstat(self.fd).st_size
+        self.done = {o: v for o, v in self.done.items() if o + v[0] <= end}
+        sha256, size = self.sha256, self.size
         if not self.done:
             # Nothing trustworthy in it: start it over (keeping the ETags, still useful).
             os.ftruncate(self._jfd, 0)
@@ -119,14 +131,27 @@ class Partial:
             self.etags.clear()
 
     def finish(self) -> Path:
-        """Close and drop the journal; returns the part file, ready to be moved into blobs/."""
+        """Sync and close the part file; returns it, ready to be moved into blobs/. The journal
+        (and its lock) stays until ``drop_journal``, once the file is a blob."""
         os.fsync(self.fd)
-        self.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.journal_path)
+        self._close_part()
         return self.part_path
 
-    def close(self) -> None:
-        for fd in (self.fd, self._jfd):
+    def drop_journal(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.journal_path)
+        self.close()
+
+    def _close_part(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def close(self) -> None:
+        """Close both files (again is harmless: an fd number is never closed twice)."""
+        self._close_part()
+        jfd, self._jfd = self._jfd, -1
+        if jfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(jfd)

@@ -7,6 +7,11 @@ each piece boundary, checks the piece's sha256 and journals it. A failure (conne
 status, framing, hash) moves the rest of the request to the next source; after every source has
 failed, the stream backs off (exponential, with jitter) and goes round again, a bounded number of
 times. A file whose last piece lands is moved into blobs/ by the stream that landed it.
+
+Bytes are written before their piece is verified, so at most one writer may own a piece's bytes at
+a time: a file restarted (its ETag changed) first waits for the writes in flight to end, and a
+stream whose file was restarted drops its request before its next write. Pieces copied from local
+blobs are verified too (read back from the partial): a blob that rotted on disk is fetched instead.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class FileState:
     remaining: int
     generation: int = 0
     changed_on: set[int] = field(default_factory=set)   # sources whose file no longer matches
+    writers: int = 0                # writes into the partial in flight (under Transfer.cond)
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,17 @@ class Transfer:
         for w in workers:
             w.start()
         threads = [copier, *workers]
-        while alive := [t for t in threads if t.is_alive()]:
-            alive[0].join(interval)
-            tick()
+        try:
+            while alive := [t for t in threads if t.is_alive()]:
+                alive[0].join(interval)
+                tick()
+        except BaseException:
+            # Ctrl-C or a failing tick: the caller closes the partials next, so no thread may
+            # still hold their file descriptors (a reused fd number would take its writes).
+            self._fail(PullError("pull interrupted; verified pieces are kept"))
+            for t in threads:
+                t.join()
+            raise
         if self.error is not None:
             raise self.error
         if self.stop.is_set() and any(f.remaining for f in self.files.values()):
@@ -163,12 +177,24 @@ class Transfer:
                     f = self.files[sha]
                     src = open_blobs.get(c.blob)
                     if src is None:
-                        src = open_blobs[c.blob] = os.open(self.store.blob_path(c.blob),
-                                                           os.O_RDONLY | os.O_CLOEXEC)
-                    generation = f.generation
-                    if generation or f.remaining == 0:
-                        continue              # restarted: its pieces are all fetched now
-                    copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset, c.piece.size)
+                        src = open_blobs[c.blob] = os.open(
+                            self.store.blob_path(c.blob),
+                            os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    with self.cond:
+                        generation = f.generation
+                        if generation or f.remaining == 0:
+                            continue          # restarted: its pieces are all fetched now
+                        f.writers += 1
+                    try:
+                        good = copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset,
+                                          c.piece.size) == c.piece.size \
+                            and hashing.fd_range_sha256(f.partial.fd, c.piece.offset,
+                                                        c.piece.size) == c.piece.sha256
+                    finally:
+                        self._wrote(f, generation)
+                    if not good:
+                        self._fetch_instead(f, c, generation)
+                        continue
                     f.partial.sync()
                     with self.cond:
                         self.reused += c.piece.size
@@ -183,6 +209,21 @@ class Transfer:
             self._fail(self._os_error(e, "copying local pieces"))
         finally:
             self._release()
+
+    def _fetch_instead(self, f: FileState, c: Copy, generation: int) -> None:
+        log.warning("local blob %s does not hold the bytes its manifest says at %d (+%d): it is "
+                    "damaged; fetching the piece for %s instead", c.blob, c.blob_offset,
+                    c.piece.size, f.path)
+        with self.cond:
+            if f.generation == generation:
+                self.queue.append(Request(f.sha256, (c.piece,)))
+                self.cond.notify_all()
+
+    def _wrote(self, f: FileState, generation: int) -> None:
+        with self.cond:
+            f.writers -= 1
+            if f.writers == 0 and f.generation != generation:
+                self.cond.notify_all()      # a restart is waiting for the writes to end
 
     # -- streams --------------------------------------------------------------------------------
     def _stream(self, index: int) -> None:
@@ -284,10 +325,16 @@ class Transfer:
             n = len(data)
             if self.bucket is not None:
                 self.bucket.consume(n, self.stop)
-            f.partial.write(pos, data)
-            pos += n
             with self.cond:
                 self.fetched += n
+                if f.generation != generation:
+                    raise _Stale
+                f.writers += 1
+            try:
+                f.partial.write(pos, data)
+            finally:
+                self._wrote(f, generation)
+            pos += n
             view = memoryview(data)
             while view:
                 take = min(len(view), left)
@@ -314,12 +361,15 @@ class Transfer:
             if f.generation != generation:
                 return                    # another stream restarted it already
             f.generation += 1
+            others = [r for r in self.queue if r.sha256 != f.sha256]
+            self.queue.clear()
+            self.queue.extend(others)
+            while f.writers:              # old bytes still being written: let them land first
+                self.cond.wait()
             self.verified -= sum(s for s, _ in f.partial.done.values())
             f.partial.discard()
             f.remaining = len(f.pieces)
-            others = [r for r in self.queue if r.sha256 != f.sha256]
-            self.queue.clear()
-            self.queue.extend([Request(f.sha256, (p,)) for p in f.pieces] + others)
+            self.queue.extendleft(reversed([Request(f.sha256, (p,)) for p in f.pieces]))
             self.cond.notify_all()
 
     def _piece_done(self, f: FileState, piece: Piece, generation: int) -> None:
@@ -343,10 +393,15 @@ class Transfer:
             got = hashing.file_sha256(part)
             if got != f.sha256:
                 os.unlink(part)
+                f.partial.drop_journal()
                 raise PullError(f"{f.path}: every piece verified but the whole file's sha256 is "
                                 f"{got}, not {f.sha256}: the manifest is inconsistent; rebuild it "
                                 "with 'wagent manifest build'")
+        # The journal goes only once the file is a blob: a crash in between leaves either a
+        # resumable partial (all pieces journaled) or a blob and a stale journal, never a
+        # complete part file without its journal (which would be fetched again in full).
         self.store.add_blob(part, f.sha256)
+        f.partial.drop_journal()
         with self.cond:
             self.files_done += 1
             done = self.files_done
@@ -360,25 +415,29 @@ class Transfer:
         return PullError(f"{what}: {e.strerror or e} ({e.filename or self.store.root})")
 
 
-def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) -> None:
-    """Copy bytes between files inside the kernel when it can (copy_file_range), else pread."""
+def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) -> int:
+    """Copy bytes between files inside the kernel when it can (copy_file_range), else pread.
+
+    Returns the bytes copied: fewer than ``size`` when the source ends early.
+    """
     left = size
     try:
         while left:
             n = os.copy_file_range(src, dst, left, src_offset, dst_offset)
             if n == 0:
-                raise OSError(errno.EIO, "source blob shorter than its manifest says")
+                return size - left
             left, src_offset, dst_offset = left - n, src_offset + n, dst_offset + n
-        return
+        return size
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
             raise
     while left:
         data = os.pread(src, min(left, 4 * 2**20), src_offset)
         if not data:
-            raise OSError(errno.EIO, "source blob shorter than its manifest says")
+            return size - left
         view = memoryview(data)
         while view:
             n = os.pwrite(dst, view, dst_offset)
             view, dst_offset = view[n:], dst_offset + n
         left, src_offset = left - len(data), src_offset + len(data)
+    return size

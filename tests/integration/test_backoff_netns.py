@@ -48,3 +48,36 @@ def test_training_connection_backs_off_within_a_tick_and_ramps_back(testbed):
     # Quiet 0.5 s after the flow's connections closed, then one step back to the cap.
     back = next(h for h in history if h[0] > first[0] and h[1] == "full")
     assert back[2] == 10**9 and back[0] - ended < 1.5
+
+
+# `wagent pull --policy P` glue: shaping applied for the pull's length, the loop moving both sides.
+PULL_GLUE = """
+import json, subprocess, sys, time
+from agent.policy_model import Backoff, Policy, Shaping, Source
+from agent.ratelimit import TokenBucket
+from shaping.backoff import pull_backoff
+ifname, state = sys.argv[1], sys.argv[2]
+policy = Policy(shaping=Shaping(enabled=True, interfaces=(ifname,), link_rate=10**9,
+                                ceil=5 * 10**8),
+                backoff=Backoff(tick=0.1, nccl_processes=False), state_dir=state)
+bucket = TokenBucket(None)
+qdiscs = lambda: subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
+with pull_backoff(policy, bucket, sources=[Source("http://10.9.9.9:8080")]) as loop:
+    time.sleep(0.5)
+    during = {"status": loop.status(), "rate": bucket.rate, "qdiscs": qdiscs()}
+print(json.dumps({"during": during, "after": qdiscs()}))
+"""
+
+
+def test_pull_glue_applies_shaping_for_the_pull_and_clears_it(testbed):
+    origin, node = testbed.host("origin"), testbed.host("node")
+    link = testbed.connect(origin, node)
+    state = testbed.tmpdir("state")
+    before = node.run(["tc", "qdisc", "show"]).stdout
+    out = node.run([sys.executable, "-c", PULL_GLUE, link.b.ifname, str(state)]).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    status = res["during"]["status"]
+    assert status["state"] == "full" and status["rate_bps"] == 5 * 10**8
+    assert res["during"]["rate"] == 5 * 10**8                      # the bucket got the cap
+    assert "wg-" in res["during"]["qdiscs"] and "htb 5747:" in res["during"]["qdiscs"]
+    assert res["after"] == before                                  # a tree it made: cleared

@@ -84,3 +84,27 @@ def test_pause_and_resume_for_root_only(daemon_dir):
         call(sock, "no-such-command")
     except ControlError as e:
         assert e.kind == "protocol"
+
+
+def test_a_second_daemon_refuses_before_touching_anything(daemon_dir):
+    """Same control socket as a live daemon: the second `wagent run` exits 1 naming the other
+    daemon, before it applies shaping or creates its store, and the first keeps its socket."""
+    other = daemon_dir / "other"
+    other.mkdir()
+    policy = write_policy(other / "policy.yaml", other,
+                          control={"socket": str(daemon_dir / "control.sock")},
+                          shaping={"enabled": True, "interfaces": ["nosuch0"],
+                                   "link_rate": "1gbit", "rate": "1mbit", "ceil": "10mbit",
+                                   "pull_ports": [8080]})
+    before = os.stat(daemon_dir / "control.sock").st_ino
+    res = wagent("run", "--policy", str(policy), timeout=30)
+    assert res.returncode == 1 and "another wagent daemon" in res.stderr, res.stderr
+    assert "nosuch0" not in res.stderr                 # refused before shaping was tried
+    assert not (other / "store").exists() and not (other / "state").exists()
+    assert os.stat(daemon_dir / "control.sock").st_ino == before
+    assert wagent("status", "--socket", str(daemon_dir / "control.sock")).returncode in (0, 1)
+
+
+def test_state_and_store_dirs_are_created_with_safe_modes(daemon_dir):
+    assert stat.S_IMODE(os.stat(daemon_dir / "state").st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(daemon_dir / "store").st_mode) == 0o755

@@ -64,3 +64,44 @@ def test_reload_moves_the_cap_in_place_then_sweeps_shaping(testbed):
         node.proc.send_signal(signal.SIGTERM)
         node.proc.wait(10)
         print(Path(node.proc.log_path).read_text())
+
+
+def test_a_recreated_interface_gets_its_caps_back(testbed):
+    """The interface deleted and created again under the same name (a driver reset, a bond
+    rebuilt) comes back unshaped; the daemon's periodic re-apply puts the tree and the ingress
+    redirect back, and counts the repair."""
+    tb = testbed
+    h = tb.host("node")
+    peer = tb.host("peer")
+    link = tb.connect(peer, h)
+    d = tb.tmpdir("node")
+    node = Node("node", "inf-1", h, link.b.ifname, d, d / "policy.yaml")
+    pol = node_policy(node, ["http://192.0.2.1:8080"], role_hosts=ROLES,
+                      serve_ports=[8080])
+    node.policy.write_text(yaml.safe_dump(pol))
+    start(node)
+    try:
+        deadline = time.monotonic() + 30
+        while status(node)[0] not in (0, 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "htb 5747:" in h.run(["tc", "qdisc", "show", "dev", node.ifname]).stdout
+        h.run(["ip", "link", "del", node.ifname], check=True)
+        h.run(["ip", "link", "add", node.ifname, "type", "veth", "peer", "name", "rv-peer"],
+              check=True)
+        h.run(["ip", "link", "set", node.ifname, "up"], check=True)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            qdiscs = h.run(["tc", "qdisc", "show", "dev", node.ifname]).stdout
+            if "htb 5747:" in qdiscs and "ingress ffff:" in qdiscs:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"caps not back on the re-created link: {qdiscs}")
+        filters = h.run(["tc", "filter", "show", "dev", node.ifname, "ingress"]).stdout
+        assert "mirred" in filters and f"wg-{node.ifname}"[:15] in filters, filters
+        _, doc = status(node)
+        assert doc["daemon"]["error_counts"]["shaping_repairs"] >= 1
+    finally:
+        node.proc.send_signal(signal.SIGTERM)
+        node.proc.wait(10)
+        print(Path(node.proc.log_path).read_text()[-3000:])

@@ -280,3 +280,29 @@ def test_disabling_shaping_in_the_policy_removes_the_trees(testbed):
     write_policy(policy, link.a.ifname, state, enabled=False, **args)
     wagent(node, "shaping", "apply", "--policy", policy)
     assert snapshot(node) == before
+
+
+@pytest.mark.parametrize("handmade", [False, True])
+def test_multiqueue_mq_root_is_recorded_and_restored(testbed, handmade):
+    """A multiqueue NIC's root is mq with one child per queue (here an ifb with 4 tx queues
+    stands in for it). Replacing it with HTB records it; clear gives back the same qdiscs:
+    the kernel's own mq 0:, or a hand-made mq 100: (with default children)."""
+    node = testbed.host("node")
+    node.run(["ip", "link", "add", "nic0", "numtxqueues", "4", "numrxqueues", "4", "type",
+              "ifb"], check=True)
+    node.run(["ip", "link", "set", "nic0", "up"], check=True)
+    if handmade:
+        node.run(["tc", "qdisc", "replace", "dev", "nic0", "root", "handle", "100:", "mq"],
+                 check=True)
+    before = snapshot(node)
+    assert before[0].count("dev nic0 parent") == 4, before[0]
+    state = testbed.tmpdir("state")
+    policy = write_policy(testbed.tmpdir("p") / "policy.yaml", "nic0", state,
+                          link_rate="25gbit", rate="100mbit", ceil="10gbit",
+                          serve_ports=(8080,), pull_ports=(443,))
+    wagent(node, "shaping", "apply", "--policy", policy)
+    recorded = json.loads((state / "shaping.json").read_text())["interfaces"]["nic0"]["root"]
+    assert recorded == {"kind": "mq", "handle": 0x1000000 if handmade else 0}
+    assert "htb 5747:" in node.run(["tc", "qdisc", "show", "dev", "nic0"]).stdout
+    wagent(node, "shaping", "clear", "--policy", policy)
+    assert snapshot(node) == before

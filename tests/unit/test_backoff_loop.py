@@ -248,3 +248,16 @@ def test_update_keeps_the_state_and_takes_the_new_settings(tmp_path):
     clock.t = 0.5
     d = loop.tick()
     assert (d.state, d.rate_bps) == ("backed_off", 20 * M)
+
+
+def test_detector_roots_from_the_policy(tmp_path):
+    from pathlib import Path
+
+    from shaping.detect import roots_from
+
+    assert roots_from(()) == (Path("/"), Path("/"))
+    assert roots_from((("root", "/x"),)) == (Path("/x"), Path("/x"))
+    assert roots_from((("proc", "/a/proc"), ("sys", "/b/sys"))) == (Path("/a"), Path("/b"))
+    write_tcp(tmp_path, [tcp_line(0, "0200000A:D000", "0100000A:733C", ESTABLISHED)], [])
+    dets = Detectors.from_policy(Backoff(roots=(("proc", str(tmp_path / "proc")),)))
+    assert dets.ports.sample(0.0)[0].connections == 1

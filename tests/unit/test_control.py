@@ -99,7 +99,7 @@ def test_not_running(tmp_path):
 
 def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path, server):
     srv, _ = server
-    with pytest.raises(ControlError, match="already listening"):
+    with pytest.raises(ControlError, match="another wagent daemon"):
         ControlServer(srv.path, FakeController(), group=None).start()
     stale = tmp_path / "stale.sock"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -111,6 +111,23 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path, server):
         assert call(str(stale), "ping") == {"pong": True}
     finally:
         other.stop()
+
+
+def test_a_live_daemon_is_not_robbed_even_when_its_socket_does_not_answer(tmp_path, server):
+    """The live daemon's socket replaced by a dead one (or caught between bind and listen):
+    connecting says "stale", but the daemon still runs; its lock keeps a second one out, and
+    stopping the first never unlinks a socket that isn't its own."""
+    srv, _ = server
+    os.unlink(srv.path)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(srv.path)                  # bound, never listening: connect() is refused
+    try:
+        with pytest.raises(ControlError, match=f"pid {os.getpid()}"):
+            ControlServer(srv.path, FakeController(), group=None).start()
+        srv.stop()
+        assert os.path.exists(srv.path)  # not srv's socket: left alone
+    finally:
+        dead.close()
 
 
 def test_slow_and_oversized_clients_dont_stall(server):

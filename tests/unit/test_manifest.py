@@ -128,3 +128,24 @@ def test_build_hashes_pieces_and_files(tmp_path):
     assert parse((d / "manifest.json").read_bytes()) == m
     # The manifest itself is never listed when rebuilt.
     assert "manifest.json" not in {f.path for f in manifest.build(d).files}
+
+
+@pytest.mark.parametrize("path", ["manifest.json/x", "a/" + "n" * 256, "x/" * 600 + "y",
+                                  "a\udc80b", "\ud800"])
+def test_paths_that_would_fail_only_at_publish_are_refused_up_front(path):
+    with pytest.raises(ManifestError):
+        check_path(path)
+
+
+def test_long_but_legal_names_pass():
+    assert check_path("a/" + "n" * 255) == "a/" + "n" * 255
+
+
+@pytest.mark.parametrize("a,b", [("A", "a/b"), ("Model.bin", "model.BIN"),
+                                 ("caf\u00e9", "cafe\u0301"), ("a", "a")])
+def test_paths_that_collide_on_a_case_folding_file_system_are_refused(a, b):
+    d = json.loads(doc())
+    f = d["files"][0]
+    d["files"] = [dict(f, path=a), dict(f, path=b)]
+    with pytest.raises(ManifestError, match="differ only in case|appears twice|directory of"):
+        parse(json.dumps(d).encode())

@@ -143,3 +143,22 @@ def test_reload_sweeps_models_no_longer_declared():
     assert [i.model for i in p.snapshot()] == ["a", "b"]
     p.update(policy(Model("b"), Model("c")))
     assert [i.model for i in p.snapshot()] == ["b", "c"]
+
+
+def test_a_model_dropped_by_a_reload_as_its_pull_finishes_is_no_error():
+    """The reload lands while the last piece is written: the pull completes, the model's state
+    is already swept; the pass goes on (no KeyError turned into a failed pass)."""
+    w = World()
+    p = Puller(policy(Model("a"), Model("b")), w.deps())
+    w.now = 1100.0                               # past every slot
+    inner = w.deps().pull
+
+    def pull(model, version, progress, stop):
+        inner(model, version, progress, stop)
+        if model.name == "a":
+            p.update(policy(Model("b")))         # reload: "a" dropped
+
+    p.deps = PullerDeps(**{**p.deps.__dict__, "pull": pull})
+    p._pass()
+    assert [i.model for i in p.snapshot()] == ["b"]
+    assert ("b", "v1") in w.pulled

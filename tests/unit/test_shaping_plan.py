@@ -126,6 +126,18 @@ def test_ifb_names_fit_and_differ():
     assert not long_a.startswith("ifb")
 
 
+def test_two_interfaces_never_share_an_ifb():
+    cut = ifb_name("enp129s0f1np1")                     # "wg-enp129-" + 5 hex digits
+    twin = cut.removeprefix("wg-")                      # a 12-character name of its own
+    assert ifb_name(twin) == cut
+    with pytest.raises(PlanError, match="would share"):
+        build_plan(shaping(interfaces=("enp129s0f1np1", twin)))
+    with pytest.raises(PlanError, match="would share"):
+        build_plan(shaping(interfaces=("eth0", "wg-eth0")))
+    # egress only: no IFB, nothing shared
+    assert build_plan(shaping(interfaces=("eth0", "wg-eth0"), pull_ports=())).interfaces
+
+
 @pytest.mark.parametrize("kw, word", [
     (dict(rate=GBIT), "below shaping.link_rate"),
     (dict(link_rate=0), "shaping.link_rate"),
@@ -260,6 +272,9 @@ def test_clear_restores_the_kernel_default():
 def test_clear_recreates_a_simple_taken_over_root_and_warns_on_others():
     actions, notes = clear("eth0", "wg-eth0", applied(shaping()), Original("fq_codel", 0x80010000))
     assert actions[-1] == RestoreRoot("eth0", "fq_codel", 0x80010000)
+    # a hand-made mq (handle 100:, its own children) comes back as mq 100: with default children
+    actions, notes = clear("eth0", "wg-eth0", applied(shaping()), Original("mq", 0x1000000))
+    assert actions[-1] == RestoreRoot("eth0", "mq", 0x1000000)
     actions, notes = clear("eth0", "wg-eth0", applied(shaping()), Original("hfsc", 0x10000))
     assert actions[-1] == DeleteQdisc("eth0", TC_H_ROOT, ROOT_HANDLE, "htb")
     assert "hfsc" in notes[0]

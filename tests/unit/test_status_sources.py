@@ -1,9 +1,14 @@
 """How the application turns the shaper's counters into the status model (pure)."""
 
-from agent.application import shaped_interfaces
+import threading
+from types import SimpleNamespace
+
+from agent.application import VERIFY_EVERY, Application, shaped_interfaces
 from agent.policy_model import Shaping
+from shaping.errors import ShapingError
 from shaping.observed import ClassStats
-from shaping.plan import build_plan
+from shaping.plan import SetLinkUp, build_plan
+from shaping.shaper import ApplyReport
 
 
 def test_counters_grouped_by_tree_with_the_live_ceil():
@@ -23,3 +28,35 @@ def test_counters_grouped_by_tree_with_the_live_ceil():
     assert dist.ceil_bps == 10_000_000 and dist.rate_bps == 10_000_000 and dist.est_bps == 8000
     assert default.ceil_bps == 1_000_000_000
     assert [c.bytes for c in egress.classes] == [7]
+
+
+class FlakyShaper:
+    """A shaper whose kernel lost the tree once, then refuses (the interface gone)."""
+
+    def __init__(self):
+        self.calls = []
+        self.results = [("changed",), ShapingError("no interface 'eth0' on this host")]
+
+    def apply(self, ceil=None, quiet=False):
+        self.calls.append((ceil, quiet))
+        r = self.results.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return ApplyReport(actions=(SetLinkUp("wg-eth0"),), notes=("a note",))
+
+
+def test_periodic_reapply_repairs_with_the_live_ceil_and_reports_failures(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("agent.application.time.monotonic", lambda: clock[0])
+    shaper = FlakyShaper()
+    parts = SimpleNamespace(shaper=shaper, lock=threading.Lock(), ceil_bps=5_000_000,
+                            verify_at=0.0, shaping_error=None, shaping_repairs=0,
+                            shaping_notes=())
+    app = Application("/p.yaml")
+    app._verify_shaping(parts)
+    app._verify_shaping(parts)           # not due yet: no second netlink round
+    assert shaper.calls == [(5_000_000, True)]
+    assert parts.shaping_repairs == 1 and parts.shaping_notes == ("a note",)
+    clock[0] += VERIFY_EVERY
+    app._verify_shaping(parts)
+    assert parts.shaping_error == "re-applying the caps failed: no interface 'eth0' on this host"

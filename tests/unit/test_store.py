@@ -116,3 +116,56 @@ def test_journal_survives_reopen_and_ignores_torn_lines(tmp_path):
     s = Partial(tmp_path, "f" * 64, 200)              # another size: another file, start over
     assert s.done == {} and s.etags == {}
     s.close()
+
+
+def test_publish_replaces_a_broken_version_directory(store, tmp_path):
+    """A version directory that is a symlink, or lost a file, is not "installed": publishing
+    puts a good one in its place instead of reporting success over it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store.model_dir("m").mkdir()
+    os.symlink(elsewhere, store.version_dir("m", "v1"))
+    d = put_version(store, "m", "v1", {"a": b"1", "b/c": b"2"})
+    assert not os.path.islink(d) and (d / "b" / "c").read_bytes() == b"2"
+    assert os.listdir(elsewhere) == []
+    os.unlink(d / "b" / "c")
+    assert store.installed("m", "v1") is None
+    put_version(store, "m", "v1", {"a": b"1", "b/c": b"2"})
+    assert store.installed("m", "v1") is not None
+    assert not [n for n in os.listdir(store.model_dir("m")) if n.startswith(".")]
+
+
+def test_evict_cleans_what_crashes_leave(store):
+    put_version(store, "m", "v1", {"x": b"a"})
+    (store.model_dir("m") / ".tmp-v2-12345678").mkdir()
+    (store.model_dir("m") / ".tmp-v2-12345678" / "f").write_text("x")
+    (store.model_dir("m") / ".trash-v0-12345678").mkdir()
+    (store.root / ".usage.tmp-12345678").write_text("{}")
+    landed = hashlib.sha256(b"a").hexdigest()
+    (store.partial / f"{landed}.journal").write_text("stale")      # crash after the move
+    old, fresh = "1" * 64, "2" * 64
+    for sha, mtime in ((old, 1000.0), (fresh, 99_000.0)):
+        for ext in ("part", "journal"):
+            (store.partial / f"{sha}.{ext}").write_bytes(b"x")
+            os.utime(store.partial / f"{sha}.{ext}", (mtime, mtime))
+    removed = store.evict(keep=1, pins={}, max_size=None, now=100_000.0, partial_after=50_000)
+    assert {(r.kind, r.name) for r in removed} == {("partial", landed), ("partial", old)}
+    assert sorted(os.listdir(store.partial)) == [f"{fresh}.journal", f"{fresh}.part"]
+    assert os.listdir(store.model_dir("m")) == ["v1"]
+    assert not (store.root / ".usage.tmp-12345678").exists()
+    assert store.installed("m", "v1") is not None
+
+
+def test_evict_keeps_the_blobs_of_a_kept_version_that_lost_one(store):
+    put_version(store, "m", "v1", {"x": b"a", "y": b"b"}, "2026-01-01T00:00:00Z")
+    os.unlink(store.blob_path(hashlib.sha256(b"b").hexdigest()))
+    assert store.installed("m", "v1") is None
+    assert store.evict(keep=1, pins={}, max_size=None, now=10) == []
+    assert store.has_blob(hashlib.sha256(b"a").hexdigest())
+
+
+def test_a_symlink_in_blobs_is_not_a_blob(store, tmp_path):
+    target = tmp_path / "t"
+    target.write_bytes(b"a")
+    os.symlink(target, store.blob_path(hashlib.sha256(b"a").hexdigest()))
+    assert store.blob_shas() == set()

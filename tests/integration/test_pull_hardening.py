@@ -1,0 +1,146 @@
+"""Pulls where something goes wrong at a bad moment: a local blob rotted on disk, a crash between
+two steps of landing a file, a server that stalls or compresses, an empty file, a progress callback
+that raises. Real servers on loopback, real files."""
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agent import manifest
+from agent.policy_model import Source
+from agent.pull.engine import PullError, PullOptions, pull_version
+from agent.store import Store
+from tests import modelgen
+from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
+
+pytestmark = pytest.mark.debian
+
+FAST = PullOptions(streams=2, retries=1, backoff_base=0.01, read_timeout=5, connect_timeout=2)
+SHARD = "model-00001-of-00002.safetensors"
+
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory):
+    root = tmp_path_factory.mktemp("origin")
+    publish(root, "m", "v1", piece_size=2**20, layers=4, hidden=256, shards=2)
+    modelgen.next_version(root / "m" / "v1", root / "m" / "v2", change_layers=[1],
+                          resize={"model.layers.1.self_attn.q_proj.weight": [320, 256]})
+    publish_dir(root / "m" / "v2", piece_size=2**20)
+    return root
+
+
+def same_files(store_dir: Path, version_dir: Path) -> None:
+    for f in version_dir.rglob("*"):
+        if f.is_file():
+            got = store_dir / f.relative_to(version_dir)
+            assert got.read_bytes() == f.read_bytes(), f
+
+
+def sha_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_empty_file_is_published_empty(tmp_path):
+    root = tmp_path / "o"
+    d = root / "m" / "v1"
+    d.mkdir(parents=True)
+    (d / "empty.txt").write_bytes(b"")
+    (d / "data.bin").write_bytes(b"x" * 5000)
+    publish_dir(d, piece_size=4096)
+    store = Store(tmp_path / "store")
+    with LoopbackNginx(root) as ng:
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+    assert (r.path / "empty.txt").read_bytes() == b""
+    same_files(r.path, d)
+
+
+def test_a_rotten_local_blob_is_never_copied_into_a_new_version(origin, tmp_path):
+    """Pieces copied from a local blob are verified like fetched ones; a bad one is fetched."""
+    store = Store(tmp_path / "store")
+    with LoopbackNginx(origin) as ng:
+        pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        # Rot a byte in the middle of a piece that v2 copies from a v1 blob.
+        v1 = manifest.parse((origin / "m" / "v1" / "manifest.json").read_bytes())
+        v2 = manifest.parse((origin / "m" / "v2" / "manifest.json").read_bytes())
+        v2_files = {f.sha256 for f in v2.files}
+        v2_pieces = {p.sha256 for f in v2.files if f.sha256 not in {g.sha256 for g in v1.files}
+                     for p in f.pieces}
+        f1, piece = next((f, p) for f in v1.files if f.sha256 not in v2_files
+                         for p in f.pieces if p.sha256 in v2_pieces and p.size > 2)
+        blob = store.blob_path(f1.sha256)
+        os.chmod(blob, 0o644)
+        with open(blob, "r+b") as f:
+            f.seek(piece.offset + piece.size // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+        r = pull_version([Source(ng.url)], "m", "v2", store, options=FAST)
+    assert r.bytes_reused > 0
+    same_files(r.path, origin / "m" / "v2")
+
+
+def test_a_crash_while_landing_a_file_keeps_its_verified_pieces(origin, tmp_path, monkeypatch):
+    """Dying between the journal and the move into blobs/ must not cost the whole file."""
+    store = Store(tmp_path / "store")
+    landed = []
+
+    def crash(self, src, sha256):
+        landed.append(sha256)
+        raise OSError(5, "simulated crash while moving into blobs/")
+
+    with FaultyServer(origin) as srv:
+        with monkeypatch.context() as mp:
+            mp.setattr(Store, "add_blob", crash)
+            with pytest.raises(PullError, match="simulated crash"):
+                pull_version([Source(srv.url)], "m", "v1", store,
+                             options=PullOptions(streams=1, retries=0))
+        assert landed
+        first = {p for p, _, _ in srv.requests}
+        srv.requests.clear()
+        r = pull_version([Source(srv.url)], "m", "v1", store, options=FAST)
+        again = [p for p, _, _ in srv.requests]
+    crashed_path = next(f.name for f in (origin / "m" / "v1").iterdir()
+                        if f.is_file() and sha_of(f) == landed[0])
+    assert f"/m/v1/{crashed_path}" in first
+    assert f"/m/v1/{crashed_path}" not in again, "the landed file was fetched again"
+    same_files(r.path, origin / "m" / "v1")
+
+
+def test_a_server_compressing_ranges_is_named(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "gzip") as bad:
+        with pytest.raises(PullError, match="Content-Encoding"):
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+    assert not store.installed("m", "v1")
+
+
+def test_a_body_that_stalls_times_out_and_moves_to_the_mirror(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    quick = PullOptions(streams=2, retries=1, backoff_base=0.01, read_timeout=0.5,
+                        connect_timeout=2)
+    with FaultyServer(origin, "stall", times=2) as slow, LoopbackNginx(origin) as good:
+        started = time.monotonic()
+        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=quick)
+        assert slow.faults_done >= 1
+        assert time.monotonic() - started < 15
+    same_files(r.path, origin / "m" / "v1")
+    with FaultyServer(origin, "stall") as slow:
+        with pytest.raises(PullError, match="timed out"):
+            pull_version([Source(slow.url)], "m", "v2", store, options=quick)
+
+
+def test_a_progress_callback_that_raises_neither_breaks_nor_leaks_the_pull(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    before = threading.active_count()
+
+    def broken(p):
+        raise RuntimeError("the terminal went away")
+
+    with LoopbackNginx(origin) as ng:
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, progress=broken)
+    same_files(r.path, origin / "m" / "v1")
+    assert threading.active_count() == before
