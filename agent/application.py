@@ -130,10 +130,11 @@ class Application:
     def start(self, policy: Policy, controller: Any) -> Parts:
         """Control socket, store, shaping (READY waits for it), backoff, puller, metrics.
 
-        The control socket comes first: its lock is what tells a second ``wagent run`` that a
-        daemon is live, and that one must refuse before it touches the kernel or the store."""
+        The control socket is bound first: its lock is what tells a second ``wagent run`` that
+        a daemon is live, and that one must refuse before it touches the kernel or the store.
+        It is served last, so ``wagent status`` answers only once the caps are in place."""
         control = ControlServer(policy.control.socket, controller, group=policy.control.group)
-        control.start()
+        control.bind()           # served from the end of start: status "running" means shaped
         try:
             store = Store(policy.store.path)
             make_private_dir(policy.store.path, STORE_MODE)
@@ -150,6 +151,7 @@ class Application:
             self._apply_shaping(parts, policy)
             self._start_backoff(parts)
             parts.puller.start()
+            control.start()
             parts.metrics = self._start_metrics(parts, policy)
         except BaseException:
             self.stop(parts, 2.0)
@@ -426,8 +428,8 @@ class Application:
         if report.changed:
             parts.shaping_repairs += 1
             log.warning("the kernel no longer had wagent's caps as planned (an interface "
-                        "re-created, or tc run by hand?); re-applied %d change(s)",
-                        len(report.actions))
+                        "re-created, tc or `wagent shaping clear` run by hand?); re-applied %d "
+                        "change(s). To remove the caps, stop the daemon first", len(report.actions))
         if tuple(report.notes) != parts.shaping_notes:
             for note in report.notes:
                 log.warning("%s", note)

@@ -155,10 +155,13 @@ class ControlServer:
         self._stop = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Takes the socket's lock, then binds; raises ControlError when another daemon holds
-        it. Call it before changing anything else: it is what keeps a second ``wagent run``
-        from applying shaping or pulling beside a live daemon."""
+    def bind(self) -> None:
+        """Takes the socket's lock, then binds without listening; raises ControlError when
+        another daemon holds it. Call it before changing anything else: it is what keeps a
+        second ``wagent run`` from applying shaping or pulling beside a live daemon. Until
+        :meth:`start`, clients are refused and ``wagent status`` says "not running"."""
+        if self._sock is not None:
+            return
         self._lock = _take_lock(self.path)
         try:
             self._sock = _bind(self.path, self.group)
@@ -168,6 +171,12 @@ class ControlServer:
             raise
         st = os.stat(self.path)
         self._inode = (st.st_dev, st.st_ino)
+
+    def start(self) -> None:
+        """Binds (if :meth:`bind` wasn't called) and serves."""
+        self.bind()
+        assert self._sock is not None
+        self._sock.listen(16)
         self._sock.settimeout(0.5)  # the accept loop checks for stop twice a second
         self._stop.clear()
         self._thread = threading.Thread(target=self._accept_loop, name="control", daemon=True)
@@ -315,7 +324,6 @@ def _bind(path: str, group: str | None) -> socket.socket:
                      path, os.getgid())
         except PermissionError as e:
             log.warning("can't give %s to group %s: %s", path, group, e)
-    sock.listen(16)
     return sock
 
 

@@ -68,7 +68,9 @@ class Daemon:
         self.started_at = clock()
         self.parts: Any = None
         self.policy_info = PolicyInfo()
-        self.errors: deque[str] = deque(maxlen=5)
+        # kind -> message, while that part of the tick keeps failing: status is degraded
+        # for as long as it lasts, not forever after one bad tick (error_counts keep history)
+        self.errors: dict[str, str] = {}
         self.error_counts: Counter[str] = Counter()
         self._requests: deque[_Request] = deque()
         self._stop = False
@@ -212,10 +214,12 @@ class Daemon:
     def _tick(self) -> None:
         try:
             self.app.supervise(self.parts)
+            self._ok("supervise")
         except Exception as e:
             self._error("supervise", f"supervising the workers failed: {e}")
         try:
             doc = self.status()
+            self._ok("status")
         except Exception as e:  # a bad read must not stop the daemon; the watchdog still runs
             log.exception("building the status failed")
             self._error("status", f"building the status failed: {e}")
@@ -228,6 +232,7 @@ class Daemon:
                           "restarts the daemon", name)
         try:
             self.app.export_metrics(self.parts, doc)
+            self._ok("metrics")
         except Exception as e:
             self._error("metrics", f"writing metrics failed: {e}")
 
@@ -237,9 +242,13 @@ class Daemon:
 
     def _error(self, kind: str, message: str) -> None:
         self.error_counts[kind] += 1
-        if not self.errors or self.errors[-1] != message:
+        if self.errors.get(kind) != message:
             log.warning("%s", message)
-            self.errors.append(message)
+            self.errors[kind] = message
+
+    def _ok(self, kind: str) -> None:
+        if self.errors.pop(kind, None) is not None:
+            log.info("%s works again", kind)
 
     # -- requests (main thread) -------------------------------------------------------------
     def _handle(self, req: _Request) -> None:
@@ -289,7 +298,7 @@ class Daemon:
     def state(self) -> DaemonState:
         return self.app.snapshot(self.parts, DaemonState(
             pid=os.getpid(), started_at=self.started_at, version=__version__,
-            workers=self.workers(), policy=self.policy_info, errors=tuple(self.errors),
+            workers=self.workers(), policy=self.policy_info, errors=tuple(self.errors.values()),
             error_counts=dict(self.error_counts + Counter(self.app.error_counts(self.parts)))))
 
     def status(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import unicodedata
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +32,7 @@ FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIECE_SIZE = 64 * 2**20
 MAX_MANIFEST_BYTES = 64 * 2**20
+_MANIFEST_TMP = f".{MANIFEST_NAME}.tmp"   # left by a crashed write: never part of a version
 MAX_NAME_BYTES = 255                  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 1024                 # well inside PATH_MAX (4096) once under a store
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -173,28 +174,39 @@ def _fold(path: str) -> str:
     return unicodedata.normalize("NFC", path).casefold()
 
 
-def _check_tree(entries: Iterable[FileEntry], where: str) -> None:
-    paths: dict[str, str] = {}          # folded path -> path
+def _check_tree(entries: Sequence[FileEntry], where: str) -> None:
+    check_paths([e.path for e in entries], where)
     sizes: dict[str, int] = {}
     for e in entries:
-        folded = _fold(e.path)
-        other = paths.get(folded)
-        paths[folded] = e.path
-        if other is not None:
-            if other == e.path:
-                raise ManifestError(f"{where}: file path {e.path!r} appears twice")
-            raise ManifestError(f"{where}: file paths {other!r} and {e.path!r} differ only in "
-                                "case or Unicode form; a case-folding file system would see one")
         if sizes.setdefault(e.sha256, e.size) != e.size:
             raise ManifestError(f"{where}: {e.path!r} has the sha256 of another file but not "
                                 "its size; rebuild the manifest")
-    for folded, p in paths.items():
-        parts = folded.split("/")
+
+
+def _fold(path: str) -> str:
+    return unicodedata.normalize("NFC", path).casefold()
+
+
+def check_paths(paths: Iterable[str], where: str) -> None:
+    """The paths of one version together: no duplicate, no file that is also a directory of
+    another, also compared without case and Unicode form."""
+    folded: dict[str, str] = {}
+    for path in paths:
+        key = _fold(path)
+        other = folded.get(key)
+        if other is not None:
+            if other == path:
+                raise ManifestError(f"{where}: file path {path!r} appears twice")
+            raise ManifestError(f"{where}: file paths {other!r} and {path!r} differ only in "
+                                "case or Unicode form; a case-folding file system would see one")
+        folded[key] = path
+    for key, path in folded.items():
+        parts = key.split("/")
         for i in range(1, len(parts)):
-            prefix = paths.get("/".join(parts[:i]))
+            prefix = folded.get("/".join(parts[:i]))
             if prefix is not None:
                 raise ManifestError(f"{where}: {prefix!r} is a file and also a directory of "
-                                    f"{p!r}")
+                                    f"{path!r}")
 
 
 def _count(v: object, what: str) -> int:
@@ -254,9 +266,10 @@ def build(directory: Path, model: str | None = None, version: str | None = None,
         for name in sorted(names):
             full = Path(root, name)
             rel = full.relative_to(directory).as_posix()
-            if rel == MANIFEST_NAME or not full.is_file():
+            if rel in (MANIFEST_NAME, _MANIFEST_TMP) or not full.is_file():
                 continue
             rel_paths.append(check_path(rel))
+    check_paths(rel_paths, str(directory))      # what every node would refuse, refused here
     plans = []
     for rel in rel_paths:
         full = directory / rel
@@ -274,9 +287,13 @@ def build(directory: Path, model: str | None = None, version: str | None = None,
 def write(directory: Path, m: Manifest) -> Path:
     """Write ``manifest.json`` atomically (a reader never sees half a manifest)."""
     target = directory / MANIFEST_NAME
-    tmp = directory / f".{MANIFEST_NAME}.tmp"
-    tmp.write_bytes(to_json(m))
-    os.replace(tmp, target)
+    tmp = directory / _MANIFEST_TMP
+    try:
+        tmp.write_bytes(to_json(m))
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 

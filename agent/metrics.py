@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from socketserver import ThreadingMixIn
@@ -131,12 +132,20 @@ def families(doc: dict[str, Any], fetched: dict[str, int]) -> Iterator[Metric]:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    # A scraper that connects and never sends (or never reads) is dropped after this many
+    # seconds; without it each such connection holds a thread for ever.
+    timeout = 10
+
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
 
 
 class Metrics:
@@ -163,7 +172,8 @@ class Metrics:
         host = host.strip("[]") or "127.0.0.1"
         try:
             server = make_server(host, int(port), make_wsgi_app(self.registry),
-                                 _ThreadingWSGIServer, handler_class=_QuietHandler)
+                                 _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer,
+                                 handler_class=_QuietHandler)
         except (OSError, ValueError) as e:
             raise MetricsError(f"can't serve metrics on {self.policy.listen}: {e}; change "
                                "metrics.listen in the policy (or set it to null)") from e

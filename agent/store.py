@@ -241,10 +241,16 @@ class Store:
 
     def touch(self, model: str, version: str, now: float) -> None:
         """Record that a version was used now (eviction drops least recently used first)."""
-        with self._usage_lock():
-            usage = self._read_usage()
-            usage[f"{model}/{version}"] = now
-            self._write_usage(usage)
+        try:
+            with self._usage_lock():
+                usage = self._read_usage()
+                usage[f"{model}/{version}"] = now
+                self._write_usage(usage)
+        except OSError as e:
+            # A full disk must not turn a published version into a failed pull: only the LRU
+            # order suffers.
+            log.warning("store %s: could not record the use of %s/%s: %s", self.root, model,
+                        version, e.strerror or e)
 
     @contextlib.contextmanager
     def _usage_lock(self) -> Iterator[None]:

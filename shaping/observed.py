@@ -1,5 +1,5 @@
 """What the kernel has, as plain values: the adapter (``shaping.netlink``) dumps into these and the
-pure diff (``shaping.plan.diff``) reads them. No pyroute2 types leak past the adapter.
+pure diff (``shaping.reconcile``) reads them. No pyroute2 types leak past the adapter.
 
 Handles are the kernel's 32-bit ``major:minor`` integers (``0x57470020`` is ``5747:20``). HTB
 ``buffer``/``cbuffer`` are kept in the kernel's unit, psched ticks (64 ns), exactly as dumped, so a

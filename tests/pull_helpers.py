@@ -3,7 +3,8 @@
 The faulty server is a real HTTP/1.1 server (http.server) that serves byte ranges of files under a
 root, and misbehaves on purpose for requests matching ``fault_on``: more or fewer bytes than asked,
 a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500, a gzip
-body (a server compressing despite ``Accept-Encoding: identity``), a body that stalls half way.
+body (a server compressing despite ``Accept-Encoding: identity``), a body that stalls half way, a
+Content-Range naming another file size.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class LoopbackNginx:
 
 
 FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
-          "error_500", "gzip", "stall")
+          "error_500", "gzip", "stall", "other_total")
 
 
 class FaultyServer:
@@ -241,6 +242,8 @@ class FaultyServer:
             body = body + data[end + 1:end + 1 + 4096] + b"x" * 4096
         elif fault == "fewer":
             body = body[:-100]
+        elif fault == "other_total":
+            cr = f"bytes {start}-{end}/{len(data) + 1}"
         elif fault == "bad_range":
             cr = f"bytes {start + 1}-{end + 1}/{len(data)}"
         elif fault == "corrupt":

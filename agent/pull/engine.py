@@ -72,8 +72,9 @@ class PullOptions:
 
 @dataclass(frozen=True)
 class PullProgress:
-    """What a progress callback gets: about twice a second, and once per landed file (the
-    callback runs on the pull's threads, so it must be thread-safe and quick)."""
+    """What a progress callback gets: about twice a second, and once per landed file. The
+    callback runs on the pull's threads, one call at a time; it must be quick (a stream waits),
+    and an exception from it is logged and ends the progress reports, not the pull."""
 
     model: str
     version: str
@@ -233,38 +234,41 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     transfer = Transfer(sources, store, files,
                         planning.requests_for(p, settings.request_size, tail=2 * streams),
                         copies, settings, bucket, stop,
-                        on_file=lambda f, n: emit("file", f.path, n))
+                        on_file=lambda f, n: emit("file", f.path))
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
-    window_lock = threading.Lock()
+    emit_lock = threading.Lock()
     broken: list[bool] = []
 
-    def emit(event: str, path: str | None = None, files_done: int | None = None) -> None:
-        if progress is None or broken:
-            return
-        now = clock()
-        with transfer.cond:
-            fetched, reused = transfer.fetched, transfer.reused
-            busy, verified = transfer.streams_busy, transfer.verified
-        with window_lock:
+    def emit(event: str, path: str | None = None) -> None:
+        # One call at a time, each from a fresh snapshot: the callback needn't be thread-safe
+        # and never sees the figures go backwards.
+        with emit_lock:
+            if progress is None or broken:
+                return
+            now = clock()
+            with transfer.cond:
+                fetched, reused = transfer.fetched, transfer.reused
+                busy, verified = transfer.streams_busy, transfer.verified
+                landed = transfer.files_done
             window.append((now, fetched))
             while len(window) > 2 and now - window[0][0] > 3.0:
                 window.pop(0)
             span = now - window[0][0]
             rate = (fetched - window[0][1]) / span if span > 0 else 0.0
-        landed = transfer.files_done if files_done is None else files_done
-        try:
-            progress(PullProgress(
-                m.model, m.version, event, p.bytes_total, base_done + verified, fetched, reused,
-                rate, busy, len(p.present) + landed, len(first), now - started, path))
-        except Exception:
-            # Progress is for show: a display that fails must not fail (or leak) the pull.
-            broken.append(True)
-            log.exception("progress callback failed; no more progress for %s/%s", m.model,
-                          m.version)
+            try:
+                progress(PullProgress(
+                    m.model, m.version, event, p.bytes_total, base_done + verified, fetched,
+                    reused, rate, busy, len(p.present) + landed, len(first), now - started,
+                    path))
+            except Exception:
+                # Progress is for show: a display that fails must not fail the pull.
+                broken.append(True)
+                log.exception("progress callback failed; no more progress for %s/%s",
+                              m.model, m.version)
 
-    emit("start")
     try:
+        emit("start")
         transfer.run(tick=lambda: emit("progress"))
     finally:
         for part in partials.values():

@@ -119,9 +119,12 @@ class Client:
         except requests.RequestException as e:
             raise FetchError(f"{redact(url)}: {_why(e)}") from None
 
-    def ranged(self, url: str, offset: int, size: int, etag: str | None,
-               chunk: int) -> tuple[str | None, Generator[memoryview, None, None]]:
+    def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
+               total: int | None = None) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
+
+        ``total``: the file's size in the manifest; a Content-Range naming another size means
+        the source serves another file under that name.
 
         With ``etag`` the request carries If-Range: a source whose file changed answers 200 with
         the whole new file, which raises ChangedError (never mixed with the old bytes).
@@ -158,6 +161,9 @@ class Client:
                 raise FetchError(f"{redact(url)}: Content-Range "
                                  f"{r.headers.get('Content-Range')!r} is not the range asked "
                                  f"for (bytes {offset}-{offset + size - 1})")
+            if total is not None and m.group(3) not in ("*", str(total)):
+                raise FetchError(f"{redact(url)}: the source's file has {m.group(3)} bytes, the "
+                                 f"manifest says {total}: it serves another version of the file")
             length = r.headers.get("Content-Length")
             if length is not None and length.strip() != str(size):
                 raise FetchError(f"{redact(url)}: Content-Length {length} for a range of {size} "

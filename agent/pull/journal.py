@@ -109,13 +109,17 @@ class Partial:
             os.write(self._jfd, f"piece {offset} {size} {sha256}\n".encode())
             self.done[offset] = (size, sha256)
 
-    def record_etag(self, source: str, etag: str) -> None:
+    def record_etag(self, source: str, etag: str) -> str:
+        """Keep the first ETag seen from ``source`` (pass a URL without credentials: the journal
+        is a plain file); returns the one in effect, which differs if the file changed."""
         with self._lock:
-            if self.etags.get(source) == etag:
-                return
+            known = self.etags.get(source)
+            if known is not None:
+                return known
             os.write(self._jfd, f"etag {quote(source, safe='')} {quote(etag, safe='')}\n"
                      .encode())
             self.etags[source] = etag
+            return etag
 
     def keep_only(self, offsets: set[int]) -> None:
         """Forget journaled pieces the current manifest doesn't have (another piece layout)."""

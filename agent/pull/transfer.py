@@ -36,6 +36,7 @@ from agent.pull.http import (
     CredentialsError,
     FetchError,
     Timeouts,
+    redact,
     url_for,
 )
 from agent.pull.journal import Partial
@@ -151,7 +152,9 @@ class Transfer:
                 self.error = error
             self.cond.notify_all()
 
-    def _next(self) -> Request | None:
+    def _next(self) -> tuple[Request, int] | None:
+        """The next request and its file's generation, read together: a request queued before
+        a restart must not pass for one of the new generation."""
         with self.cond:
             while not self.queue and self.active > 0 and self.error is None \
                     and not self.stop.is_set():
@@ -159,7 +162,8 @@ class Transfer:
             if not self.queue or self.error is not None or self.stop.is_set():
                 return None
             self.active += 1
-            return self.queue.popleft()
+            req = self.queue.popleft()
+            return req, self.files[req.sha256].generation
 
     def _release(self) -> None:
         with self.cond:
@@ -230,9 +234,10 @@ class Transfer:
         clients: dict[int, Client] = {}
         preferred = 0
         try:
-            while (req := self._next()) is not None:
+            while (job := self._next()) is not None:
+                req, generation = job
                 try:
-                    preferred = self._fetch(req, clients, preferred)
+                    preferred = self._fetch(req, generation, clients, preferred)
                 except PullError as e:
                     self._fail(e)
                 except CredentialsError as e:
@@ -248,9 +253,9 @@ class Transfer:
             for c in clients.values():
                 c.close()
 
-    def _fetch(self, req: Request, clients: dict[int, Client], preferred: int) -> int:
+    def _fetch(self, req: Request, generation: int, clients: dict[int, Client],
+               preferred: int) -> int:
         f = self.files[req.sha256]
-        generation = f.generation
         pieces = list(req.pieces)
         failures: list[str] = []
         rounds = 0
@@ -307,10 +312,16 @@ class Transfer:
         size = sum(p.size for p in pieces)
         url = url_for(source, self.s.model, self.s.version, f.path)
         chunk = self.bucket.chunk_size(self.s.chunk) if self.bucket else self.s.chunk
-        etag = f.partial.etags.get(source.url)
-        new_etag, body = client.ranged(url, offset, size, etag, chunk)
+        key = redact(source.url)          # the journal is no place for credentials
+        etag = f.partial.etags.get(key)
+        new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size)
         if new_etag and not etag:
-            f.partial.record_etag(source.url, new_etag)
+            # Another stream may have recorded the file's ETag since this request left.
+            known = f.partial.record_etag(key, new_etag)
+            if known != new_etag:
+                body.close()
+                raise ChangedError(f"{redact(url)} changed on the source (ETag {known} -> "
+                                   f"{new_etag})", new_etag)
         try:
             self._receive(url, f, body, pieces, offset, generation)
         finally:

@@ -41,3 +41,30 @@ def test_daemon_serves_metrics_and_writes_textfile(tmp_path):
     finally:
         stop_daemon(proc)
         print((tmp_path / "daemon.log").read_text())
+
+
+def test_served_on_ipv6_loopback_and_idle_scrapers_are_dropped():
+    import socket
+    import urllib.request
+
+    from agent.metrics import Metrics
+    from agent.policy_model import Metrics as MetricsPolicy
+    from agent.status import to_json
+    from tests.unit.test_status import NOW, busy_state
+
+    m = Metrics(MetricsPolicy(listen="[::1]:0"))
+    m.start()
+    try:
+        m.update(to_json(busy_state(), NOW), {})
+        body = urllib.request.urlopen(f"http://[::1]:{m.port}/metrics", timeout=5).read()
+        assert b"wagent_up 1.0" in body
+        # a connection that sends nothing is closed by the server, not held for ever
+        assert 0 < m._server.RequestHandlerClass.timeout <= 10
+        with socket.create_connection(("::1", m.port), timeout=5) as s:
+            s.settimeout(0.2)
+            try:
+                assert s.recv(1) == b""
+            except TimeoutError:
+                pass                     # still within the server's timeout: fine
+    finally:
+        m.stop()

@@ -13,6 +13,7 @@ import pytest
 from agent import manifest
 from agent.policy_model import Source
 from agent.pull.engine import PullError, PullOptions, pull_version
+from agent.ratelimit import TokenBucket
 from agent.store import Store
 from tests import modelgen
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
@@ -133,6 +134,40 @@ def test_a_body_that_stalls_times_out_and_moves_to_the_mirror(origin, tmp_path):
             pull_version([Source(slow.url)], "m", "v2", store, options=quick)
 
 
+def test_a_source_serving_another_size_of_the_file_is_named(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "other_total") as bad:
+        with pytest.raises(PullError, match="serves another version of the file"):
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+
+
+def test_credentials_in_a_source_url_stay_out_of_the_journal(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "error_500", after=1) as srv:
+        url = srv.url.replace("http://", "http://user:s3cr3t@")
+        with pytest.raises(PullError):
+            pull_version([Source(url)], "m", "v1", store, options=FAST)
+    journals = list(store.partial.glob("*.journal"))
+    assert journals and all("s3cr3t" not in j.read_text() for j in journals)
+
+
+def test_progress_calls_are_one_at_a_time_and_never_go_backwards(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    inside, seen, overlaps = [0], [], []
+
+    def slow(p):
+        inside[0] += 1
+        overlaps.append(inside[0] > 1)
+        seen.append(p.bytes_done)
+        time.sleep(0.002)
+        inside[0] -= 1
+
+    with LoopbackNginx(origin) as ng:
+        pull_version([Source(ng.url)], "m", "v1", store, progress=slow,
+                     options=PullOptions(streams=4, request_size=2**16, retries=0))
+    assert not any(overlaps) and seen == sorted(seen) and len(seen) > 2
+
+
 def test_a_progress_callback_that_raises_neither_breaks_nor_leaks_the_pull(origin, tmp_path):
     store = Store(tmp_path / "store")
     before = threading.active_count()
@@ -144,3 +179,57 @@ def test_a_progress_callback_that_raises_neither_breaks_nor_leaks_the_pull(origi
         r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, progress=broken)
     same_files(r.path, origin / "m" / "v1")
     assert threading.active_count() == before
+
+
+def test_an_interrupt_in_the_progress_loop_leaves_no_stream_running(origin, tmp_path):
+    """Ctrl-C lands in the main thread: the streams must be gone before the partial files are
+    closed (a stream writing to a closed, reused descriptor would write into another file)."""
+    store = Store(tmp_path / "store")
+
+    def interrupt(p):
+        if p.event == "progress":
+            raise KeyboardInterrupt
+
+    with LoopbackNginx(origin) as ng, pytest.raises(KeyboardInterrupt):
+        pull_version([Source(ng.url)], "m", "v1", store, progress=interrupt,
+                     bucket=TokenBucket(16_000_000), options=PullOptions(streams=2, retries=0))
+    assert not [t for t in threading.enumerate() if t.name.startswith("pull-")]
+
+
+def test_two_pulls_of_one_version_at_once_leave_one_good_copy(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    results = []
+
+    def pull():
+        try:
+            results.append(pull_version([Source(ng.url)], "m", "v1", store, options=FAST))
+        except PullError as e:
+            results.append(str(e))
+
+    with LoopbackNginx(origin, limit_rate="20m") as ng:
+        threads = [threading.Thread(target=pull) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert any(not isinstance(r, str) for r in results), results
+        assert all("another pull is already fetching" in r for r in results
+                   if isinstance(r, str)), results
+        again = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+    assert again.bytes_fetched == 0
+    same_files(again.path, origin / "m" / "v1")
+
+
+def test_a_symlink_planted_as_a_partial_file_is_never_followed(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    store.ensure()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    sha = sha_of(origin / "m" / "v1" / SHARD)
+    for ext in ("part", "journal"):
+        os.symlink(victim, store.partial / f"{sha}.{ext}")
+        with LoopbackNginx(origin) as ng, pytest.raises(PullError, match="symbolic link"):
+            pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        os.unlink(store.partial / f"{sha}.{ext}")
+    assert victim.read_bytes() == b"precious"
+    assert not store.version_dir("m", "v1").exists()

@@ -149,3 +149,20 @@ def test_paths_that_collide_on_a_case_folding_file_system_are_refused(a, b):
     d["files"] = [dict(f, path=a), dict(f, path=b)]
     with pytest.raises(ManifestError, match="differ only in case|appears twice|directory of"):
         parse(json.dumps(d).encode())
+
+
+def test_a_temporary_manifest_left_by_a_crash_is_not_a_file_of_the_version(tmp_path):
+    d = tmp_path / "m" / "v1"
+    d.mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a")
+    (d / ".manifest.json.tmp").write_text("{half")
+    assert [f.path for f in manifest.build(d).files] == ["a.bin"]
+
+
+def test_build_refuses_what_every_node_would_refuse(tmp_path):
+    d = tmp_path / "m" / "v1"
+    d.mkdir(parents=True)
+    (d / "README").write_text("a")
+    (d / "readme").write_text("b")
+    with pytest.raises(ManifestError, match="differ only in case"):
+        manifest.build(d)

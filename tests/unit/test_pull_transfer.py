@@ -116,3 +116,14 @@ def test_finish_keeps_the_journal_until_the_file_is_a_blob(tmp_path):
     p.drop_journal()
     assert not p.journal_path.exists()
     p.close()                               # again: harmless
+
+
+def test_a_request_taken_just_before_a_restart_belongs_to_the_old_generation(transfer):
+    from agent.pull.plan import Request
+    t, f = transfer
+    t.queue.append(Request(f.sha256, (PIECES[0],)))
+    req, generation = t._next()
+    t._restart_file(f, 0, 0)               # lands between taking the request and using it
+    with pytest.raises(_Stale):
+        t._receive("u", f, iter([memoryview(b"BBBB")]), list(req.pieces), 0, generation)
+    assert os.pread(f.partial.fd, 4, 0) != b"BBBB"

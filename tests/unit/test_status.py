@@ -103,3 +103,28 @@ def test_minimal_state_renders():
     doc = to_json(DaemonState(pid=1, started_at=NOW, version="x"), NOW)
     assert "shaping:  off" in to_text(doc)
     assert doc["pulls"] == [] and doc["pulls"] is not None
+
+
+def test_a_tick_that_failed_once_does_not_degrade_status_forever():
+    from agent.daemon import Daemon
+    from agent.notify import Notifier
+
+    class App:
+        fail = ["metrics", None]
+
+        def supervise(self, parts): pass
+        def workers(self, parts): return {"puller": True}
+        def error_counts(self, parts): return {}
+        def snapshot(self, parts, base): return base
+
+        def export_metrics(self, parts, doc):
+            if self.fail.pop(0):
+                raise OSError("textfile dir full")
+
+    d = Daemon(App(), Notifier(lambda _m: None), hard_exit=None)
+    d.parts = {}
+    d._tick()
+    assert d.status()["problems"] == ["writing metrics failed: textfile dir full"]
+    d._tick()                            # it works again: healthy, the count stays
+    doc = d.status()
+    assert doc["health"] == "healthy" and doc["daemon"]["error_counts"] == {"metrics": 1}

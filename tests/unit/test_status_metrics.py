@@ -41,3 +41,4 @@ def test_exposition_has_every_family(tmp_path):
 def test_nothing_before_the_first_tick():
     m = Metrics(MetricsPolicy(listen=None))
     assert generate_latest(m.registry) == b""
+
