@@ -3,7 +3,7 @@
 :class:`Application` is the one place that knows which module does what: the store, the
 token bucket, the shaper (when the policy enables shaping), the backoff loop, the puller, the
 control socket and the metrics. :class:`agent.daemon.Daemon` drives it: ``start``,
-``reconcile`` on reload, ``snapshot`` for status, ``stop``.
+``reconcile`` on reload, ``snapshot`` for status (built by ``agent.snapshot``), ``stop``.
 
 Reload is mark-and-sweep (fail2ban's model): every part is marked, the new policy is replayed
 part by part (shaping re-applied in place, so the kernel never goes unshaped; the backoff loop
@@ -14,7 +14,6 @@ dropped from ``models`` stop pulling, a moved control socket or metrics port is 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -35,22 +34,12 @@ from agent.policy import load_policy
 from agent.policy_model import Model, Policy
 from agent.puller import Progress, Puller, PullerDeps, Window
 from agent.ratelimit import TokenBucket
-from agent.status import (
-    BackoffEvent,
-    BackoffInfo,
-    ClassCounters,
-    DaemonState,
-    NodeInfo,
-    ShapedInterface,
-    ShapingInfo,
-    StoreInfo,
-    WindowInfo,
-)
+from agent.snapshot import snapshot
+from agent.status import DaemonState
 from agent.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
-MAX_EVENTS = 20
 VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (see _verify_shaping)
 # The state dir holds what to restore on `shaping clear`: no one else writes or reads it. The
 # store is read by nginx on a cache node (its models/ tree is served as is), so others may read.
@@ -232,6 +221,7 @@ class Application:
                 parts.shaper.close()
             parts.shaper = shaper
             parts.shaping_notes = tuple(report.notes)
+            parts.verify_at = time.monotonic() + VERIFY_EVERY   # just reconciled
             parts.ceil_bps = keep if keep is not None else new.shaping.ceil
         else:
             if parts.shaper is not None:
@@ -447,100 +437,4 @@ class Application:
 
     # -- status ---------------------------------------------------------------------------
     def snapshot(self, parts: Parts | None, base: DaemonState) -> DaemonState:
-        if parts is None:
-            return base
-        p, ident = parts.policy, parts.identity
-        index = schedule.wave_index(p, ident.role)
-        node = NodeInfo(id=ident.node_id, hostname=ident.hostname, role=ident.role,
-                        wave_index=index,
-                        wave_delay=0.0 if index is None
-                        else p.waves.cache_lead + index * p.waves.gap)
-        w = parts.puller.window()
-        return replace(
-            base, paused=parts.puller.paused, node=node,
-            errors=base.errors + tuple(e for e in (parts.metrics_error, parts.puller.pass_error)
-                                       if e),
-            shaping=self._shaping_info(parts), backoff=self._backoff_info(parts),
-            pulls=parts.puller.snapshot(),
-            window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
-            store=self._store_info(parts.store))
-
-    def _shaping_info(self, parts: Parts) -> ShapingInfo:
-        sh = parts.policy.shaping
-        if parts.shaper is None:
-            return ShapingInfo(enabled=False)
-        try:
-            with parts.lock:   # one netlink socket; the backoff thread uses it too
-                interfaces = shaped_interfaces(parts.shaper.stats(), parts.shaper.plan(),
-                                               parts.ceil_bps)
-            error = None
-        except Exception as e:
-            interfaces, error = (), f"reading the tc counters failed: {e}"
-        error = parts.shaping_error or error
-        return ShapingInfo(enabled=True, cap_bps=sh.ceil, current_ceil_bps=parts.ceil_bps,
-                           interfaces=interfaces, error=error, notes=parts.shaping_notes)
-
-    def _backoff_info(self, parts: Parts) -> BackoffInfo:
-        loop = parts.backoff
-        if loop is None:
-            return BackoffInfo(enabled=False)
-        st = loop.status()
-        # The loop's clock is monotonic; status speaks wall-clock time.
-        offset = self.clock() - time.monotonic()
-        events: list[BackoffEvent] = []
-        prev = None
-        for a in list(loop.history):
-            if a.state != prev:
-                events.append(BackoffEvent(a.at + offset, a.state, a.reason, a.rate_bps))
-            prev = a.state
-        readings = {k: float(st[k]) for k in ("other_bps", "rdma_bps", "training_connections",
-                                              "nccl_processes") if st.get(k) is not None}
-        return BackoffInfo(
-            enabled=True, state=st["state"], reason=st["reason"],
-            since=None if st["since"] is None else st["since"] + offset,
-            rate_bps=st["rate_bps"], floor_bps=st["floor_bps"], cap_bps=st["cap_bps"],
-            events=tuple(events[1:][-MAX_EVENTS:]), events_total=st["events"],
-            readings=readings)
-
-    @staticmethod
-    def _store_info(store: Store) -> StoreInfo:
-        versions = 0
-        for model in store.model_names():
-            with contextlib.suppress(OSError):
-                versions += sum(1 for n in os.listdir(store.model_dir(model))
-                                if not n.startswith("."))
-        try:
-            vfs = os.statvfs(store.root)
-            free: int | None = vfs.f_bavail * vfs.f_frsize
-        except OSError:
-            free = None
-        return StoreInfo(path=str(store.root), used_bytes=store.usage(), versions=versions,
-                         free_bytes=free)
-
-
-def shaped_interfaces(stats: Any, plan: Any, ceil_bps: int | None
-                      ) -> tuple[ShapedInterface, ...]:
-    """Status values from ``Shaper.stats()`` (flat ClassStats per tc device), grouped by the
-    plan's trees: egress on the interface, ingress on its IFB."""
-    by_device: dict[str, list[Any]] = {}
-    for c in stats:
-        by_device.setdefault(c.device, []).append(c)
-    out = []
-    for ip in plan.interfaces:
-        for direction, tree in (("ingress", ip.ingress), ("egress", ip.egress)):
-            if tree is None:
-                continue
-            configured = {c.name: c for c in tree.classes}
-            classes = []
-            for c in sorted(by_device.get(tree.device, ()), key=lambda c: c.classid):
-                conf = configured.get(c.name)
-                ceil = conf.ceil if conf is not None else None
-                if c.name == "distribution" and ceil_bps is not None:
-                    ceil = ceil_bps
-                classes.append(ClassCounters(
-                    name=c.name, classid=c.classid, bytes=c.bytes, packets=c.packets,
-                    drops=c.drops, overlimits=c.overlimits,
-                    rate_bps=conf.rate if conf is not None else None, ceil_bps=ceil,
-                    backlog=c.backlog, est_bps=c.rate))
-            out.append(ShapedInterface(ip.interface, direction, tree.device, tuple(classes)))
-    return tuple(out)
+        return snapshot(parts, base, self.clock)

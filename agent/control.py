@@ -12,8 +12,9 @@ not the client's). The socket is mode 0660, group ``wagent`` when that group exi
 users can't even connect; the SO_PEERCRED check still holds when an operator widens the mode.
 
 A slow or malicious client can't stall the daemon: each connection is served in its own thread
-with a read deadline and a size limit, at most ``max_clients`` at a time (more are told "busy"),
-and the controller's methods are called from that thread, never from the daemon's main loop.
+with a read deadline and a size limit, at most ``max_clients`` at a time (more are told "busy")
+plus two kept for root and the service's user, and the controller's methods are called from
+that thread, never from the daemon's main loop.
 The server knows nothing of the daemon: it calls methods on any object with ``status()``,
 ``reload()``, ``pause()`` and ``resume()`` (the controller doesn't know its transport).
 """
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
+RESERVED_SLOTS = 2         # connections beyond max_clients, for root and the service's user only
 MAX_RESPONSE = 16 * 2**20
 # command -> changes something (needs root or the service's user)
 COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True}
@@ -148,6 +150,9 @@ class ControlServer:
         self.allowed_uids = frozenset(allowed_uids) | {os.getuid()}
         self.read_timeout = read_timeout
         self._slots = threading.BoundedSemaphore(max_clients)
+        # Kept for root and the service's user: a reader in the socket's group holding every
+        # ordinary slot open must not turn away `systemctl reload` (ExecReload=wagent reload).
+        self._reserve = threading.BoundedSemaphore(RESERVED_SLOTS)
         self._sock: socket.socket | None = None
         self._lock: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -222,11 +227,25 @@ class ControlServer:
             if self._stop.is_set():
                 conn.close()
                 return
-            if not self._slots.acquire(blocking=False):
+            try:
+                peer = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            slot = self._slot_for(peer)
+            if slot is None:
                 self._refuse_busy(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="control-conn",
+            threading.Thread(target=self._serve, args=(conn, peer, slot), name="control-conn",
                              daemon=True).start()
+
+    def _slot_for(self, peer: Peer) -> threading.BoundedSemaphore | None:
+        if self._slots.acquire(blocking=False):
+            return self._slots
+        privileged = peer.uid == 0 or peer.uid in self.allowed_uids
+        if privileged and self._reserve.acquire(blocking=False):
+            return self._reserve
+        return None
 
     def _refuse_busy(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError), conn:
@@ -234,10 +253,9 @@ class ControlServer:
             conn.sendall(encode(error_reply("daemon busy: too many control connections",
                                             "busy")))
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer, slot: threading.BoundedSemaphore) -> None:
         try:
             with conn:
-                peer = peer_credentials(conn)
                 try:
                     request = parse_request(_read_line(conn, self.read_timeout, MAX_REQUEST))
                 except ProtocolError as e:
@@ -254,7 +272,7 @@ class ControlServer:
                 with contextlib.suppress(OSError):
                     conn.sendall(encode(reply))
         finally:
-            self._slots.release()
+            slot.release()
 
 
 def _read_line(conn: socket.socket, timeout: float, limit: int) -> bytes:

@@ -22,9 +22,7 @@ the pull is back to 90% of the link within 10 s.
     python tests/bench/yield.py --quick    # 8 s flows, 2.5 GB
 
 Needs root. The model lives in a tmpfs (/dev/shm), the pulled copies on disk (/var/tmp); all are
-deleted at the end. ``YIELD_TRACE=FILE`` logs the backoff loop's every tick (state, rate, the
-link detector's rx / distribution / other Mbit/s) while the proposed ``wagent pull --policy``
-glue runs.
+deleted at the end.
 """
 
 from __future__ import annotations
@@ -115,45 +113,6 @@ class Samples:
         return None
 
 
-# --- `wagent pull --policy` with backoff, until agent/commands/pull.py does it itself -------
-def cli_has_backoff() -> bool:
-    return "pull_backoff" in (REPO / "agent" / "commands" / "pull.py").read_text()
-
-
-def drive(argv: list[str]) -> int:
-    """What ``wagent pull --policy P`` does with the diff proposed in the backoff report."""
-    import logging
-
-    from agent.cli import build_parser
-    from agent.commands.pull import run_pull, split_url
-    from agent.policy import load_policy
-    from agent.policy_model import Source
-    from agent.ratelimit import TokenBucket
-    from agent.units import parse_rate
-    from shaping.backoff import pull_backoff
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if os.environ.get("YIELD_TRACE"):
-        import shaping.backoff as sb
-        orig = sb.BackoffLoop.tick
-        trace = open(os.environ["YIELD_TRACE"], "a")
-
-        def traced(self):
-            d = orig(self)
-            r = self.readings
-            dist = self.distribution() if self.distribution else None
-            print(f"{time.monotonic():.3f} {d.state} {d.rate_bps} dist={dist} links=" + str(
-                [(round(x.rx_bps / 1e6), round((x.distribution_bps or 0) / 1e6),
-                  round(x.other_bps / 1e6)) for x in r.links]), file=trace, flush=True)
-            return d
-        sb.BackoffLoop.tick = traced
-    args = build_parser().parse_args(["pull", *argv])
-    policy = load_policy(args.policy)
-    rate = parse_rate(args.rate) if args.rate else None
-    bucket = TokenBucket(None)
-    with pull_backoff(policy, bucket, rate=rate, sources=[Source(split_url(args.url)[0])]):
-        return run_pull(args, bucket)
-
-
 # --- the benchmark --------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -161,14 +120,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, help="training flow length (default 20, quick 8)")
     ap.add_argument("--model-size", help="e.g. 3.2GB (default 3.2GB, quick 2GB)")
     ap.add_argument("--sampler", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--drive", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = ap.parse_args()
     if args.sampler:
         sampler(SAMPLE_EVERY)
         return 0
-    if args.drive is not None:
-        return drive(args.drive)
     from agent.units import parse_size
 
     seconds = args.seconds or (8.0 if args.quick else 20.0)
@@ -344,12 +300,7 @@ def with_wagent(tb: object, node: object, link: object, base: str, seconds: floa
     sproc, slog = start_sampler(node)
     pull_args = [f"{base}/{MODEL}/{VERSION}", "--store", str(store), "--policy", str(policy),
                  "-q"]
-    if cli_has_backoff():
-        argv = [wagent, "-v", "pull", *pull_args]
-    else:
-        print("note: `wagent pull` has no backoff yet: running its proposed glue directly",
-              file=sys.stderr)
-        argv = [sys.executable, str(Path(__file__).resolve()), "--drive", *pull_args]
+    argv = [wagent, "-v", "pull", *pull_args]
     pull = node.popen(argv, log="yield-wagent-pull")
     early = None
     try:

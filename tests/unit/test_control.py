@@ -7,6 +7,7 @@ import time
 import pytest
 
 from agent.control import (
+    RESERVED_SLOTS,
     ControlError,
     ControlServer,
     NotRunning,
@@ -133,7 +134,7 @@ def test_a_live_daemon_is_not_robbed_even_when_its_socket_does_not_answer(tmp_pa
 def test_slow_and_oversized_clients_dont_stall(server):
     srv, _ = server
     slow = []
-    for _ in range(2):  # fill every slot with clients that never finish a line
+    for _ in range(2 + RESERVED_SLOTS):  # every slot, root's reserve too, never finishing a line
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(srv.path)
         s.sendall(b'{"cmd": ')
@@ -155,6 +156,20 @@ def test_slow_and_oversized_clients_dont_stall(server):
     reply = json.loads(big.makefile("rb").readline())
     assert reply["kind"] == "protocol"
     big.close()
+
+
+def test_slots_kept_for_root_and_the_service_user_only(server):
+    """Members of the socket's group holding every ordinary slot can't lock out root's
+    `wagent reload` (systemd's ExecReload); they can't take the kept slots themselves."""
+    srv, _ = server
+    reader, root = Peer(pid=1, uid=4321, gid=4321), Peer(pid=1, uid=0, gid=0)
+    taken = [srv._slot_for(reader), srv._slot_for(reader)]   # max_clients=2 in the fixture
+    assert all(taken)
+    assert srv._slot_for(reader) is None
+    kept = [srv._slot_for(root) for _ in range(RESERVED_SLOTS)]
+    assert all(kept) and srv._slot_for(root) is None
+    for slot in taken + kept:
+        slot.release()
 
 
 def test_concurrent_status_calls(server):

@@ -3,8 +3,9 @@
 import threading
 from types import SimpleNamespace
 
-from agent.application import VERIFY_EVERY, Application, shaped_interfaces
+from agent.application import VERIFY_EVERY, Application
 from agent.policy_model import Shaping
+from agent.snapshot import shaped_interfaces
 from shaping.errors import ShapingError
 from shaping.observed import ClassStats
 from shaping.plan import SetLinkUp, build_plan
