@@ -217,8 +217,10 @@ exit $failed
 INSIDE
 
 echo "booting systemd in a container (overlay of /, private network)"
+# The source tree is bound at a fixed path: a checkout under /tmp would be hidden by the
+# container's own /tmp.
 systemd-nspawn -q -D "$merged" --private-network --register=no --keep-unit --link-journal=no \
-    --console=pipe --boot -- --unit=wagent-check.target >"$work/boot.log" 2>&1 </dev/null &
+    --bind-ro="$root:/opt/wagent-src" --console=pipe --boot -- --unit=wagent-check.target >"$work/boot.log" 2>&1 </dev/null &
 nspawn_pid=$!
 leader=""
 i=0
@@ -235,6 +237,6 @@ done
 echo "systemd in the container: $state"
 
 rc=0
-nsenter -t "$leader" -a env REPO="$root" sh /root/inside.sh || rc=$?
+nsenter -t "$leader" -a env REPO=/opt/wagent-src sh /root/inside.sh || rc=$?
 [ "$rc" = 0 ] || die "the unit misbehaved under systemd (FAIL lines above)"
 echo "check-unit-systemd: the unit works under systemd"

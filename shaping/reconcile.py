@@ -56,8 +56,13 @@ def is_wagent_root(q: Qdisc | None) -> bool:
 
 
 def replaceable(q: Qdisc | None) -> bool:
-    """No root qdisc, the kernel's own, or wagent's: nobody else's shaping is lost by replacing."""
-    return q is None or q.kind in DEFAULT_KINDS or is_wagent_root(q)
+    """No root qdisc, the kernel's own, or wagent's: nobody else's shaping is lost by replacing.
+
+    The kernel's own root always has handle 0:; a qdisc someone added by hand gets a handle
+    (8001: and up when they named none), so a tuned ``fq_codel 8001:`` or an ``mq 100:`` with
+    its own children is someone's configuration, not a default."""
+    return (q is None or (q.kind in DEFAULT_KINDS and q.handle == 0)
+            or is_wagent_root(q))
 
 
 def reconcile(ip: InterfacePlan, devices: Mapping[str, Device],

@@ -285,8 +285,9 @@ def test_disabling_shaping_in_the_policy_removes_the_trees(testbed):
 @pytest.mark.parametrize("handmade", [False, True])
 def test_multiqueue_mq_root_is_recorded_and_restored(testbed, handmade):
     """A multiqueue NIC's root is mq with one child per queue (here an ifb with 4 tx queues
-    stands in for it). Replacing it with HTB records it; clear gives back the same qdiscs:
-    the kernel's own mq 0:, or a hand-made mq 100: (with default children)."""
+    stands in for it). The kernel's own mq 0: is replaced with HTB and recorded; a hand-made
+    mq 100: is someone's configuration, left alone until take_over. Clear gives back the same
+    qdiscs."""
     node = testbed.host("node")
     node.run(["ip", "link", "add", "nic0", "numtxqueues", "4", "numrxqueues", "4", "type",
               "ifb"], check=True)
@@ -300,7 +301,15 @@ def test_multiqueue_mq_root_is_recorded_and_restored(testbed, handmade):
     policy = write_policy(testbed.tmpdir("p") / "policy.yaml", "nic0", state,
                           link_rate="25gbit", rate="100mbit", ceil="10gbit",
                           serve_ports=(8080,), pull_ports=(443,))
-    wagent(node, "shaping", "apply", "--policy", policy)
+    res = wagent(node, "shaping", "apply", "--policy", policy)
+    if handmade:
+        assert "left alone" in res.stderr
+        qdiscs = node.run(["tc", "qdisc", "show", "dev", "nic0"]).stdout
+        assert "mq 100: root" in qdiscs and "htb 5747:" not in qdiscs
+        policy = write_policy(policy, "nic0", state, link_rate="25gbit", rate="100mbit",
+                              ceil="10gbit", serve_ports=(8080,), pull_ports=(443,),
+                              take_over=True)
+        wagent(node, "shaping", "apply", "--policy", policy)
     recorded = json.loads((state / "shaping.json").read_text())["interfaces"]["nic0"]["root"]
     assert recorded == {"kind": "mq", "handle": 0x1000000 if handmade else 0}
     assert "htb 5747:" in node.run(["tc", "qdisc", "show", "dev", "nic0"]).stdout

@@ -189,3 +189,19 @@ def test_concurrent_status_calls(server):
     for t in ts:
         t.join()
     assert not errors
+
+
+def test_status_exit_codes_for_a_killed_daemon_and_a_live_one(tmp_path, server, capsys):
+    """3 when only a stale socket file is left (a daemon killed with -9), and the JSON says
+    so; 1 when the daemon answers with a degraded or unreadable status."""
+    from agent.cli import main
+
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()
+    assert main(["status", "--json", "--socket", str(stale)]) == 3
+    assert json.loads(capsys.readouterr().out)["running"] is False
+    assert main(["status", "--socket", str(tmp_path / "none.sock")]) == 3
+    srv, _ = server
+    assert main(["status", "--json", "--socket", srv.path]) == 1   # {"schema": 1}: no health

@@ -321,3 +321,17 @@ def test_state_round_trip_and_bad_file(tmp_path):
     (tmp_path / "shaping.json").write_text("{not json")
     with pytest.raises(ShapingError, match="shaping.json"):
         state.load(str(tmp_path))
+
+
+def test_only_the_kernels_own_roots_and_wagents_are_replaceable():
+    from shaping.observed import Qdisc
+    from shaping.reconcile import replaceable
+
+    root = 0xFFFFFFFF
+    assert replaceable(None)
+    for kind in ("pfifo_fast", "fq_codel", "mq", "noqueue"):
+        assert replaceable(Qdisc(kind, 0, root))          # attached by the kernel: handle 0:
+    assert replaceable(Qdisc("htb", 0x5747 << 16, root))  # wagent's own
+    assert not replaceable(Qdisc("fq_codel", 0x8001 << 16, root))  # someone's tuned fq_codel
+    assert not replaceable(Qdisc("mq", 0x100 << 16, root))
+    assert not replaceable(Qdisc("htb", 1 << 16, root))
