@@ -88,6 +88,9 @@ class Parts:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
+HORIZON = 366 * 86400.0  # how far ahead a window's closing is looked for
+
+
 class Application:
     def __init__(self, policy_path: str, *, state_dir: str | None = None,
                  socket: str | None = None, hostname: str | None = None,
@@ -319,7 +322,9 @@ class Application:
             if not windows:
                 return Window(True)
             if schedule.is_open(windows, now):
-                return Window(True, closes_at=schedule.open_until(windows, now))
+                closes = schedule.open_until(windows, now, horizon=HORIZON)
+                # windows that chain past the horizon never close: say so, not "in 400 days"
+                return Window(True, closes_at=closes if closes < now + HORIZON else None)
             return Window(False, next_open=schedule.next_opening(windows, now))
 
         def have(model: Model, version: str) -> bool:
