@@ -309,6 +309,14 @@ def publish(origin: Path, model: str, version: str, piece_size: int | None = Non
     return publish_dir(d, piece_size)
 
 
+def same_files(store_dir: Path, version_dir: Path) -> None:
+    """Every file of the published version reads back byte for byte from the store."""
+    for f in version_dir.rglob("*"):
+        if f.is_file():
+            got = store_dir / f.relative_to(version_dir)
+            assert got.read_bytes() == f.read_bytes(), f
+
+
 def publish_dir(d: Path, piece_size: int | None = None) -> Path:
     """Build ``d/manifest.json`` and name ``d`` in ``{model}/latest``, as a publisher does."""
     manifest.write(d, manifest.build(d, piece_size=piece_size or manifest.DEFAULT_PIECE_SIZE))

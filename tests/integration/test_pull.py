@@ -13,7 +13,13 @@ from agent.policy_model import Source
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store
 from tests import modelgen
-from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
+from tests.pull_helpers import (
+    FaultyServer,
+    LoopbackNginx,
+    publish,
+    publish_dir,
+    same_files,
+)
 
 pytestmark = pytest.mark.debian
 
@@ -28,13 +34,6 @@ def origin(tmp_path_factory):
                           resize={"model.layers.1.self_attn.q_proj.weight": [320, 256]})
     publish_dir(root / "m" / "v2", piece_size=2**20)
     return root
-
-
-def same_files(store_dir: Path, version_dir: Path) -> None:
-    for f in version_dir.rglob("*"):
-        if f.is_file():
-            got = store_dir / f.relative_to(version_dir)
-            assert got.read_bytes() == f.read_bytes(), f
 
 
 def shard_blobs_absent(store: Store, version_dir: Path) -> None:
