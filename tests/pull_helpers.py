@@ -4,6 +4,7 @@ The faulty server is a real HTTP/1.1 server (http.server) that serves byte range
 root, and misbehaves on purpose for requests matching ``fault_on``: more or fewer bytes than asked,
 a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500, a gzip
 body (a server compressing despite ``Accept-Encoding: identity``), a body that stalls half way, a
+body that trickles (a few bytes every fraction of a second, each well inside any read timeout), a
 Content-Range naming another file size.
 """
 
@@ -144,7 +145,7 @@ class LoopbackNginx:
 
 
 FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
-          "error_500", "gzip", "stall", "other_total")
+          "error_500", "gzip", "stall", "trickle", "other_total")
 
 
 class FaultyServer:
@@ -153,7 +154,8 @@ class FaultyServer:
     ``auth``: the Authorization header every request must carry (else 401)."""
 
     def __init__(self, root: Path, fault: str | None = None, fault_on: str = r"\.safetensors$",
-                 times: int | None = None, after: int = 0, auth: str | None = None) -> None:
+                 times: int | None = None, after: int = 0, auth: str | None = None,
+                 trickle: tuple[int, float] = (16, 0.05)) -> None:
         assert fault is None or fault in FAULTS
         self.root = Path(root)
         self.fault = fault
@@ -163,6 +165,7 @@ class FaultyServer:
         self.after = after
         self.matched = 0
         self.auth = auth
+        self.trickle = trickle                    # (bytes, seconds between them) for "trickle"
         self.requests: list[tuple[str, str | None, int]] = []   # (path, Range, status)
         self.lock = threading.Lock()
         self.etag_generation = 0
@@ -257,6 +260,9 @@ class FaultyServer:
             self._send(h, path, rng, 206, body[:len(body) // 2], headers, length=len(body))
             self.unstall.wait(30)
             return
+        if fault == "trickle":
+            self._trickle(h, path, rng, body, headers)
+            return
         if fault == "fewer":
             # Claim the full length, send less, then close: a truncated body.
             self._send(h, path, rng, 206, body, headers, length=end + 1 - start, close=True)
@@ -265,6 +271,29 @@ class FaultyServer:
             self._send(h, path, rng, 206, body, headers, length=None, close=True)
         else:
             self._send(h, path, rng, 206, body, headers)
+
+    def _trickle(self, h: http.server.BaseHTTPRequestHandler, path: str, rng: str | None,
+                 body: bytes, headers: dict[str, str]) -> None:
+        """Headers, then ``self.trickle[0]`` bytes every ``self.trickle[1]`` s until the body is
+        sent, the client goes away, or the server closes."""
+        with self.lock:
+            self.requests.append((path, rng, 206))
+        h.send_response(206)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        step, pause = self.trickle
+        try:
+            h.wfile.flush()
+            for i in range(0, len(body), step):
+                if self.unstall.wait(pause):
+                    break
+                h.wfile.write(body[i:i + step])
+                h.wfile.flush()
+        except OSError:
+            pass
+        h.close_connection = True
 
     def _send(self, h: http.server.BaseHTTPRequestHandler, path: str, rng: str | None,
               status: int, body: bytes, headers: dict[str, str] | None = None,

@@ -29,6 +29,7 @@ from agent.manifest import (
 )
 from agent.policy_model import Pulls, Source
 from agent.pull import plan as planning
+from agent.pull.goodput import Floor
 from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, url_for
 from agent.pull.journal import Partial, PartialBusy
 from agent.pull.transfer import FileState, PullError, PullStopped, Settings, Transfer
@@ -57,6 +58,16 @@ class PullOptions:
     # Every piece is verified and the pieces tile the file, so the file's sha256 already holds;
     # True adds one sequential re-read and hash of each file (about doubling the CPU per GB).
     verify_files: bool = False
+    # A floor on one request's goodput: a source whose body arrives slower than min_goodput
+    # bytes/s, averaged over goodput_window seconds (after goodput_grace seconds), is abandoned
+    # and the rest of the request retried on the next source. Only time spent waiting on the
+    # network counts, never time held by the rate limit. 0 turns it off. Reads are capped at
+    # min_goodput x goodput_window / 2 bytes (see goodput.py); the defaults keep that at 1 MiB,
+    # the usual chunk (smaller reads cost CPU). A stream under 64 KiB/s for half a minute is
+    # broken: 10 Mbit/s spread over 16 streams still gives each about 78 KB/s.
+    min_goodput: int = 64 * 1024
+    goodput_window: float = 32.0
+    goodput_grace: float = 30.0
 
     @classmethod
     def from_policy(cls, pulls: Pulls) -> PullOptions:
@@ -68,6 +79,10 @@ class PullOptions:
     @property
     def timeouts(self) -> Timeouts:
         return Timeouts(self.connect_timeout, self.read_timeout)
+
+    @property
+    def floor(self) -> Floor:
+        return Floor(self.min_goodput, self.goodput_window, self.goodput_grace)
 
 
 @dataclass(frozen=True)
@@ -230,11 +245,11 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                               max(MIN_REQUEST, p.bytes_fetch // (8 * streams))))
     settings = Settings(m.model, m.version, streams, request_size, options.chunk,
                         options.timeouts, options.retries, options.backoff_base,
-                        options.backoff_cap, options.verify_files)
+                        options.backoff_cap, options.verify_files, options.floor)
     transfer = Transfer(sources, store, files,
                         planning.requests_for(p, settings.request_size, tail=2 * streams),
                         copies, settings, bucket, stop,
-                        on_file=lambda f, n: emit("file", f.path))
+                        on_file=lambda f, n: emit("file", f.path), clock=clock)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     emit_lock = threading.Lock()

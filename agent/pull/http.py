@@ -6,13 +6,16 @@ from a file (``bearer TOKEN`` or ``basic USER:PASSWORD``), never logged nor put 
 Range responses are checked to the byte: status 206 (a 200 is a full body, refused), no
 ``Content-Encoding``, a ``Content-Range`` naming exactly the bytes asked for, and exactly that many
 bytes in the body. The read timeout bounds every read of a body, so a server that stalls mid-body
-costs one timeout, then the piece moves to the next source.
+costs one timeout, then the piece moves to the next source; a server that trickles is caught by
+the request's goodput ``Meter``, whose watcher shuts the connection's socket down.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
+import socket
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,7 @@ import urllib3.exceptions
 from requests.adapters import HTTPAdapter
 
 from agent.policy_model import Source
+from agent.pull.goodput import Meter
 
 USER_AGENT = "wagent"
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
@@ -120,7 +124,8 @@ class Client:
             raise FetchError(f"{redact(url)}: {_why(e)}") from None
 
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
-               total: int | None = None) -> tuple[str | None, Generator[memoryview, None, None]]:
+               total: int | None = None, meter: Meter | None = None
+               ) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
 
         ``total``: the file's size in the manifest; a Content-Range naming another size means
@@ -128,6 +133,8 @@ class Client:
 
         With ``etag`` the request carries If-Range: a source whose file changed answers 200 with
         the whole new file, which raises ChangedError (never mixed with the old bytes).
+
+        ``meter``: times each read of the body; its ``abort`` is set to break a blocked read.
         """
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
         if etag and not etag.startswith("W/"):
@@ -171,10 +178,12 @@ class Client:
         except BaseException:
             r.close()
             raise
-        return new_etag, self._body(r, url, size, chunk)
+        if meter is not None:
+            meter.abort = lambda: _shut_down(r)
+        return new_etag, self._body(r, url, size, chunk, meter)
 
     @staticmethod
-    def _body(r: requests.Response, url: str, size: int, chunk: int
+    def _body(r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None
               ) -> Generator[memoryview, None, None]:
         """The body in chunks, each a view of one buffer reused for the next (use it at once).
 
@@ -190,6 +199,8 @@ class Client:
             left = size
             while left:
                 want = min(len(buf), left)
+                if meter is not None:
+                    meter.begin(want)
                 try:
                     if readinto is not None:
                         n = readinto(buf[:want])
@@ -198,8 +209,14 @@ class Client:
                         n = len(data)
                         buf[:n] = data
                 except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    if meter is not None and meter.abandoned:
+                        raise FetchError(meter.abandoned) from None
                     raise FetchError(f"{redact(url)}: {_why(e)} after {size - left} of {size} "
                                      "bytes") from None
+                if meter is not None:
+                    meter.end(n)
+                    if meter.abandoned:
+                        raise FetchError(meter.abandoned)
                 if not n:
                     raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
                                      "bytes")
@@ -215,12 +232,27 @@ class Client:
                     raise FetchError(f"{redact(url)}: sent more bytes than the {size} asked for")
             complete = True
         finally:
+            if meter is not None and meter.close():
+                complete = False            # cut: its socket is shut down, never to be reused
             if complete and readinto is not None and fp.isclosed():
                 # Read to its Content-Length by http.client: the connection is clean for the
                 # next request; hand it back to the pool instead of closing it.
                 r.raw.release_conn()
             else:
                 r.close()
+
+
+def _shut_down(r: requests.Response) -> None:
+    """Break a read blocked on this response's connection (called from another thread)."""
+    conn = getattr(r.raw, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is None:
+        # http.client's own file object: its socket wrapper holds the socket.
+        fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
+        sock = getattr(getattr(fp, "raw", None), "_sock", None)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _why(e: BaseException) -> str:

@@ -4,9 +4,12 @@ Each stream is a thread with its own HTTP session per source. It takes the next 
 consecutive pieces of one file) from a shared queue, streams the body in chunks, pays the shared
 token bucket per chunk, pwrites each chunk at its offset, hashes the bytes as they arrive and, at
 each piece boundary, checks the piece's sha256 and journals it. A failure (connection, timeout,
-status, framing, hash) moves the rest of the request to the next source; after every source has
-failed, the stream backs off (exponential, with jitter) and goes round again, a bounded number of
-times. A file whose last piece lands is moved into blobs/ by the stream that landed it.
+status, framing, hash, or a goodput under the floor) moves the rest of the request to the next
+source; after every source has failed, the stream backs off (exponential, with jitter) and goes
+round again, a bounded number of times. A file whose last piece lands is moved into blobs/ by the
+stream that landed it. The thread that runs the transfer also watches every request's goodput
+(``goodput.Meter``: time waiting for the bucket doesn't count) and breaks the connection of one
+that trickles under the floor.
 
 Bytes are written before their piece is verified, so at most one writer may own a piece's bytes at
 a time: a file restarted (its ETag changed) first waits for the writes in flight to end, and a
@@ -24,12 +27,14 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from agent import hashing
 from agent.manifest import Piece
 from agent.policy_model import Source
+from agent.pull.goodput import Floor, Meter
 from agent.pull.http import (
     ChangedError,
     Client,
@@ -43,6 +48,7 @@ from agent.pull.journal import Partial
 from agent.pull.plan import Copy, Request
 from agent.ratelimit import TokenBucket
 from agent.store import Store
+from agent.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +90,15 @@ class Settings:
     backoff_base: float
     backoff_cap: float
     verify_files: bool
+    floor: Floor = Floor(0, 0, 0)
 
 
 class Transfer:
     def __init__(self, sources: Sequence[Source], store: Store, files: dict[str, FileState],
                  requests: Sequence[Request], copies: Sequence[tuple[str, Copy]],
                  settings: Settings, bucket: TokenBucket | None, stop: threading.Event,
-                 on_file: Callable[[FileState, int], None]) -> None:
+                 on_file: Callable[[FileState, int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sources = list(sources)
         self.store = store
         self.files = files
@@ -100,6 +108,8 @@ class Transfer:
         self.bucket = bucket
         self.stop = stop
         self.on_file = on_file
+        self.clock = clock
+        self.meters: set[Meter] = set()       # requests whose bodies are being read (under cond)
         self.cond = threading.Condition()
         self.active = 0
         self.error: PullError | None = None
@@ -129,10 +139,19 @@ class Transfer:
         for w in workers:
             w.start()
         threads = [copier, *workers]
+        # Watch goodput several times per window, so a trickle is cut soon after it shows.
+        step = interval
+        if self.s.floor.enabled:
+            step = min(interval, max(0.05, self.s.floor.window / 5))
+        per_tick = max(1, round(interval / step))
         try:
+            rounds = 0
             while alive := [t for t in threads if t.is_alive()]:
-                alive[0].join(interval)
-                tick()
+                alive[0].join(step)
+                self._watch()
+                rounds += 1
+                if rounds % per_tick == 0:
+                    tick()
         except BaseException:
             # Ctrl-C or a failing tick: the caller closes the partials next, so no thread may
             # still hold their file descriptors (a reused fd number would take its writes).
@@ -145,6 +164,20 @@ class Transfer:
         if self.stop.is_set() and any(f.remaining for f in self.files.values()):
             raise PullStopped("pull stopped; the pieces already verified are kept for the next "
                               "pull")
+
+    def _watch(self) -> None:
+        """Abandon the requests whose source sends under the goodput floor."""
+        with self.cond:
+            meters = list(self.meters)
+        for m in meters:
+            if m.abandoned or (v := m.verdict()) is None:
+                continue
+            rate, span = v
+            why = (f"source {m.source} sent at most {format_size(rate)}/s for {span:.3g} s on "
+                   f"{m.what} (the floor is {format_size(self.s.floor.min_rate)}/s); trying the "
+                   "next source")
+            log.warning("%s", why)
+            m.cut(why)
 
     def _fail(self, error: PullError) -> None:
         with self.cond:
@@ -312,9 +345,12 @@ class Transfer:
         size = sum(p.size for p in pieces)
         url = url_for(source, self.s.model, self.s.version, f.path)
         chunk = self.bucket.chunk_size(self.s.chunk) if self.bucket else self.s.chunk
+        chunk = self.s.floor.max_read(chunk)
         key = redact(source.url)          # the journal is no place for credentials
         etag = f.partial.etags.get(key)
-        new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size)
+        meter = Meter(self.s.floor, self.clock, key, f"{f.path} bytes {offset}+{size}") \
+            if self.s.floor.enabled else None
+        new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size, meter=meter)
         if new_etag and not etag:
             # Another stream may have recorded the file's ETag since this request left.
             known = f.partial.record_etag(key, new_etag)
@@ -322,9 +358,15 @@ class Transfer:
                 body.close()
                 raise ChangedError(f"{redact(url)} changed on the source (ETag {known} -> "
                                    f"{new_etag})", new_etag)
+        if meter is not None:
+            with self.cond:
+                self.meters.add(meter)
         try:
             self._receive(url, f, body, pieces, offset, generation)
         finally:
+            if meter is not None:
+                with self.cond:
+                    self.meters.discard(meter)
             body.close()
 
     def _receive(self, url: str, f: FileState, body: Generator[memoryview, None, None],

@@ -232,3 +232,48 @@ def test_a_symlink_planted_as_a_partial_file_is_never_followed(origin, tmp_path)
         os.unlink(store.partial / f"{sha}.{ext}")
     assert victim.read_bytes() == b"precious"
     assert not store.version_dir("m", "v1").exists()
+
+
+# A goodput floor that a trickle of 16 bytes per 50 ms (320 B/s) stays far under, judged fast.
+TRICKLE = PullOptions(streams=2, retries=1, backoff_base=0.01, read_timeout=5, connect_timeout=2,
+                      min_goodput=64 * 1024, goodput_window=0.5, goodput_grace=0.5)
+
+
+def test_a_trickling_source_is_abandoned_for_the_mirror(origin, tmp_path, caplog):
+    """Each read gets a few bytes well inside the read timeout; the floor still catches it."""
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "trickle") as slow, LoopbackNginx(origin) as good:
+        started = time.monotonic()
+        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=TRICKLE)
+        took = time.monotonic() - started
+        assert slow.faults_done >= 1
+    assert took < 10, took
+    same_files(r.path, origin / "m" / "v1")
+    assert any(f"source {slow.url} sent at most" in m and "trying the next source" in m
+               for m in caplog.messages), caplog.messages
+
+
+def test_a_pull_whose_only_source_trickles_fails_in_bounded_time(origin, tmp_path):
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "trickle") as slow:
+        started = time.monotonic()
+        with pytest.raises(PullError, match=r"sent at most [\d.]+ \w+/s for [\d.]+ s on "
+                                            r"model-0000\d-of-00002\.safetensors bytes \d+\+\d+"):
+            pull_version([Source(slow.url)], "m", "v1", store, options=TRICKLE)
+        assert time.monotonic() - started < 10
+    assert not store.installed("m", "v1")
+
+
+def test_a_pull_held_slow_by_the_rate_limit_is_not_abandoned(origin, tmp_path):
+    """Time waiting for the token bucket isn't the source's slowness: a pull capped far under
+    the floor (4 MB/s over 2 streams; floor 64 MiB/s per request) runs to the end."""
+    store = Store(tmp_path / "store")
+    strict = PullOptions(streams=2, retries=0, read_timeout=5, connect_timeout=2,
+                         min_goodput=64 * 2**20, goodput_window=0.3, goodput_grace=0.3)
+    with LoopbackNginx(origin) as ng:
+        started = time.monotonic()
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=strict,
+                         bucket=TokenBucket(32_000_000))
+        took = time.monotonic() - started
+    assert took > 1.5, f"the bucket did not hold the pull ({took:.2f} s)"
+    same_files(r.path, origin / "m" / "v1")
