@@ -11,9 +11,14 @@ One tree per direction, same shape on both::
          ├─ 5747:10  default:      prio 0, rate link_rate - dist rate, ceil link_rate
          └─ 5747:20  distribution: prio 7, rate 10mbit, ceil 500mbit   <- u32 sport filters
 
-Ingress: ``ingress`` qdisc on eth0, one u32 match-all filter, mirred egress redirect to wg-eth0,
-whose own egress HTB tree does the shaping. The handle major 0x5747 ("WG") and the IFB's name are
-how wagent recognises its own objects after a crash.
+Ingress: ``ingress`` qdisc on eth0 whose u32 filters match only distribution traffic (TCP from a
+pulled port, IPv4 and IPv6, the same keys as the HTB filters) and redirect it (mirred egress) to
+wg-eth0, whose own egress HTB tree does the shaping. Everything else (training traffic, tens to
+hundreds of Gbit/s) never enters the single-queue IFB: wagent stays out of its way. The IFB tree
+keeps its default class as a safety net. Older wagent redirected everything with one match-all
+filter (protocol all, pref 10); ``reconcile`` adopts it and swaps it for the port filters.
+The handle major 0x5747 ("WG") and the IFB's name are how wagent recognises its own objects
+after a crash.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ DEFAULT_CLASS = ROOT_HANDLE | 0x10
 DIST_CLASS = ROOT_HANDLE | 0x20
 INGRESS_HANDLE = 0xFFFF0000
 ETH_P_ALL, ETH_P_IP, ETH_P_IPV6 = 0x0003, 0x0800, 0x86DD
-PREF_V4, PREF_V6, PREF_REDIRECT = 10, 11, 10
+PREF_V4, PREF_V6 = 10, 11
+# Ingress redirect filters. u32 keeps one table per (pref, protocol) and refuses a second protocol
+# on a pref in use, so these can't share pref 10 with the old match-all redirect (PREF_LEGACY):
+# while both are installed the match-all (lower pref) wins, so the switch never uncaps anything.
+PREF_REDIRECT_V4, PREF_REDIRECT_V6, PREF_LEGACY = 20, 21, 10
 IFB_TXQLEN = 1000                        # ifb's own default is 32 packets: drops at 500 Mbit/s
 IPPROTO_TCP = 6
 
@@ -106,7 +115,7 @@ class InterfacePlan:
     egress: Tree | None                  # on the interface itself
     ingress: Tree | None                 # on the IFB
     ifb: str = ""
-    redirect: Filter | None = None       # on the interface's ingress qdisc
+    redirects: tuple[Filter, ...] = ()   # on the interface's ingress qdisc: distribution only
 
 
 @dataclass(frozen=True)
@@ -288,13 +297,12 @@ def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> Plan:
                                 f"wagent's IFB {ifb_name(interface)!r}; rename one of them")
             ifbs[ifb_name(interface)] = interface
         egress = _tree(interface, serve_ports, shaping) if serve_ports else None
-        ifb, ingress, redirect = "", None, None
+        ifb, ingress, redirects = "", None, ()
         if pull_ports:
             ifb = ifb_name(interface)
             ingress = _tree(ifb, pull_ports, shaping)
-            redirect = Filter(INGRESS_HANDLE, ETH_P_ALL, PREF_REDIRECT, 1,
-                              (U32Key(0, 0, 0),), redirect=ifb)
-        plans.append(InterfacePlan(interface, egress, ingress, ifb, redirect))
+            redirects = _redirects(ifb, pull_ports)
+        plans.append(InterfacePlan(interface, egress, ingress, ifb, redirects))
     return Plan(tuple(plans), shaping.take_over)
 
 
@@ -335,12 +343,29 @@ def _tree(device: str, ports: tuple[int, ...], s: Shaping) -> Tree:
     return Tree(device, ports, classes, tuple(filters))
 
 
+def _redirects(ifb: str, ports: tuple[int, ...]) -> tuple[Filter, ...]:
+    """The ingress filters: distribution packets (and only those) go to the IFB."""
+    filters = []
+    for i, port in enumerate(ports, start=1):
+        filters.append(Filter(INGRESS_HANDLE, ETH_P_IP, PREF_REDIRECT_V4, i,
+                              sport_keys_v4(port), redirect=ifb))
+        filters.append(Filter(INGRESS_HANDLE, ETH_P_IPV6, PREF_REDIRECT_V6, i,
+                              sport_keys_v6(port), redirect=ifb))
+    return tuple(filters)
+
+
+def legacy_redirect(ifb: str) -> Filter:
+    """The match-all redirect older wagent versions installed (every packet to the IFB)."""
+    return Filter(INGRESS_HANDLE, ETH_P_ALL, PREF_LEGACY, 1, (U32Key(0, 0, 0),), redirect=ifb)
+
+
 def sport_keys_v4(port: int) -> tuple[U32Key, ...]:
     """TCP source port over IPv4, header without options (tc's ``match ip sport`` reads offset 20).
 
     u32 can follow the IHL only through a linked hash table (nexthdr offsets apply after a
     ``link``), so instead the filter requires IHL=5 and a first fragment: a packet with IP options
-    (practically never seen on TCP data) falls to the default class rather than being misread.
+    (practically never seen on TCP data) falls to the default class rather than being misread;
+    on ingress such a packet is not redirected at all, so it passes uncapped.
     """
     return (U32Key(0x05000000, 0x0F000000, 0),          # version/IHL: IHL = 5
             U32Key(0x00000000, 0x00001FFF, 4),          # fragment offset 0
@@ -350,6 +375,7 @@ def sport_keys_v4(port: int) -> tuple[U32Key, ...]:
 
 def sport_keys_v6(port: int) -> tuple[U32Key, ...]:
     """TCP source port over IPv6. u32 can't walk extension headers, so the transport header is
-    taken at the fixed offset 40: packets with extension headers fall to the default class."""
+    taken at the fixed offset 40: packets with extension headers fall to the default class (on
+    ingress: are not redirected, so pass uncapped)."""
     return (U32Key(IPPROTO_TCP << 8, 0x0000FF00, 4),   # next header = TCP
             U32Key(port << 16, 0xFFFF0000, 40))

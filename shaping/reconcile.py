@@ -12,13 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from shaping.errors import PlanError
-from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, Qdisc
+from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, FilterState, Qdisc
 from shaping.plan import (
     DEFAULT_KINDS,
     ETH_P_ALL,
+    ETH_P_IP,
+    ETH_P_IPV6,
     INGRESS_HANDLE,
     MAJOR,
-    PREF_REDIRECT,
+    PREF_LEGACY,
+    PREF_REDIRECT_V4,
+    PREF_REDIRECT_V6,
     RESTORABLE_KINDS,
     Action,
     AddIngress,
@@ -36,7 +40,12 @@ from shaping.plan import (
     SetRootHtb,
     Tree,
     handle_str,
+    legacy_redirect,
 )
+
+# (pref, protocol) of wagent's ingress redirect filters, today's and the old match-all's.
+_REDIRECT_SLOTS = frozenset({(PREF_REDIRECT_V4, ETH_P_IP), (PREF_REDIRECT_V6, ETH_P_IPV6),
+                             (PREF_LEGACY, ETH_P_ALL)})
 
 
 @dataclass(frozen=True)
@@ -77,20 +86,26 @@ def reconcile(ip: InterfacePlan, devices: Mapping[str, Device],
     ifindex = {d.name: d.index for d in devices.values() if d.exists}
     if ip.egress is not None:
         actions += _tree(ip.egress, dev, take_over, notes, ifindex, owned=False)
-    if ip.ingress is not None and ip.redirect is not None:
+    if ip.ingress is not None and ip.redirects:
         actions += _ingress(ip, dev, devices[ip.ifb], take_over, notes, ifindex)
     return actions, notes
 
 
+def is_wagent_redirect(f: FilterState) -> bool:
+    """A redirect of wagent's shape on an ingress qdisc, even if it points at a since re-created
+    IFB: a port filter in wagent's prefs, or the old match-all."""
+    if f.parent != INGRESS_HANDLE or not f.redirect_ifindex or not f.handle & 0xFFF:
+        return False
+    if (f.pref, f.protocol) == (PREF_LEGACY, ETH_P_ALL):
+        return f.keys == legacy_redirect("").keys
+    return (f.pref, f.protocol) in _REDIRECT_SLOTS
+
+
 def _ingress(ip: InterfacePlan, dev: Device, ifb: Device, take_over: bool, notes: list[str],
              ifindex: Mapping[str, int]) -> list[Action]:
-    assert ip.ingress is not None and ip.redirect is not None
+    assert ip.ingress is not None
     ing = dev.ingress()
-    want = ip.redirect
-    # A redirect of the same shape is wagent's, even if it points at a since re-created IFB.
-    ours = [f for f in dev.filters if f.parent == INGRESS_HANDLE
-            and f.handle & 0xFFF == want.handle and f.pref == want.pref
-            and f.protocol == want.protocol and f.keys == want.keys and f.redirect_ifindex]
+    ours = [f for f in dev.filters if is_wagent_redirect(f)]
     others = [f for f in dev.filters if f.parent == INGRESS_HANDLE and f.handle & 0xFFF
               and f not in ours]
     front: list[Action] = []
@@ -112,15 +127,29 @@ def _ingress(ip: InterfacePlan, dev: Device, ifb: Device, take_over: bool, notes
     elif not ifb.up:
         actions.append(SetLinkUp(ip.ifb))
     actions += _tree(ip.ingress, ifb, True, notes, ifindex, owned=True)
-    # The redirect goes last, so packets never reach an IFB without its tree.
+    # The redirects go last, so packets never reach an IFB without its tree.
     actions += front
     if ing is None:
         actions.append(AddIngress(dev.name))
-    if not ours:
-        actions.append(SetFilter(dev.name, want, create=True))
-    elif not want.matches(ours[0], ifindex):
-        # Replaced in place under its kernel handle (800::1): no moment without the redirect.
-        actions.append(SetFilter(dev.name, replace(want, handle=ours[0].handle), create=False))
+    have = {(f.protocol, f.pref, f.handle & 0xFFF): f for f in ours}
+    wanted = {(f.protocol, f.pref, f.handle): f for f in ip.redirects}
+    for key, flt in wanted.items():
+        have_f = have.get(key)
+        if have_f is None:
+            actions.append(SetFilter(dev.name, flt, create=True))
+        elif not flt.matches(have_f, ifindex):
+            # Replaced in place under its kernel handle: no moment without the redirect.
+            actions.append(SetFilter(dev.name, replace(flt, handle=have_f.handle), create=False))
+    # Deletions last: the old match-all (pref 10) is ahead of the port filters and catches the
+    # distribution traffic until it goes, so between the two steps all traffic still reaches
+    # the IFB's cap; deleting it first would let pulls pass uncapped in between.
+    for key, have_f in have.items():
+        if key not in wanted:
+            # The old match-all's whole pref goes (handle 0): deleting just its node would
+            # leave an empty u32 table that every arriving packet still walks.
+            legacy = (have_f.pref, have_f.protocol) == (PREF_LEGACY, ETH_P_ALL)
+            actions.append(DeleteFilter(dev.name, have_f.parent, have_f.protocol, have_f.pref,
+                                        0 if legacy else have_f.handle))
     return actions
 
 
@@ -182,7 +211,7 @@ def clear(interface: str, ifb: str, devices: Mapping[str, Device],
         # drop every packet arriving on the interface if left behind).
         ours = any(f.parent == INGRESS_HANDLE and f.redirect_ifindex
                    and (f.redirect_ifindex == box.index if box.exists
-                        else (f.pref, f.protocol) == (PREF_REDIRECT, ETH_P_ALL))
+                        else is_wagent_redirect(f))
                    for f in dev.filters)
         if ing is not None and ing.kind == "ingress" and ours:
             actions.append(DeleteQdisc(interface, TC_H_INGRESS, INGRESS_HANDLE, "ingress"))

@@ -57,9 +57,9 @@ def render(action: Action) -> str:
         case SetFilter(device, f, create):
             return _filter(device, f, "add" if create else "replace")
         case DeleteFilter(device, parent, protocol, pref, handle):
+            node = f" handle {_u32_handle(handle)}" if handle else ""    # 0: the whole pref
             return (f"tc filter del dev {device} parent {handle_str(parent)} protocol "
-                    f"{_PROTOCOLS.get(protocol, hex(protocol))} pref {pref} handle "
-                    f"{_u32_handle(handle)} u32")
+                    f"{_PROTOCOLS.get(protocol, hex(protocol))} pref {pref}{node} u32")
     raise TypeError(f"not an action: {action!r}")
 
 

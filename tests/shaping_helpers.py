@@ -58,6 +58,20 @@ def snapshot(host: Host) -> tuple[str, str]:
     return qdiscs, re.sub(r"link/ether \S+", "link/ether X", links)
 
 
+def qdisc_sent(host: Host, device: str, handle: str = "5747:") -> int:
+    """Bytes the qdisc ``handle`` on ``device`` has sent (`tc -s qdisc show`): on wagent's IFB,
+    every byte the ingress filters redirected into it."""
+    out = host.run(["tc", "-s", "qdisc", "show", "dev", device], check=True).stdout
+    found = re.search(rf"qdisc \S+ {re.escape(handle)} .*?\n Sent (\d+) bytes", out, re.S)
+    if found is None:
+        raise AssertionError(f"no qdisc {handle} on {device}:\n{out}")
+    return int(found.group(1))
+
+
+def ingress_filters(host: Host, device: str) -> str:
+    return host.run(["tc", "filter", "show", "dev", device, "ingress"], check=True).stdout
+
+
 @dataclass
 class Sampler:
     """Byte counters of a device's HTB classes, sampled every `period` s in the host."""

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.shaping_helpers import Sampler, first_time, snapshot, wagent, write_policy
+from tests.shaping_helpers import (
+    Sampler,
+    first_time,
+    ingress_filters,
+    qdisc_sent,
+    snapshot,
+    wagent,
+    write_policy,
+)
 from tests.testbed import WAGENT_CMD
 
 pytestmark = [pytest.mark.netns, pytest.mark.debian]
@@ -68,12 +76,29 @@ def test_ingress_cap_on_a_pulling_node(pair, cap):
                           link_rate="10gbit", rate="1mbit", ceil=f"{cap}mbit",
                           sources=(srv.url_for(link.a),))
     wagent(node, "shaping", "apply", "--policy", policy)
+    ifb = f"wg-{link.b.ifname}"[:15]
+    # Only distribution traffic is redirected: no match-all filter on the ingress qdisc.
+    filters = ingress_filters(node, link.b.ifname)
+    assert "protocol all" not in filters and filters.count("mirred") == 2, filters
+    sent = qdisc_sent(node, ifb)
     capped_goodput(tb, node, url, cap)
-    other = tb.iperf3(node, server=link.a.ip4, port=5201, seconds=2, reverse=True)
-    assert other.bps > 1.3 * cap * MBIT, f"port 5201 capped too: {other.bps / MBIT:.0f} Mbit/s"
+    pulled = qdisc_sent(node, ifb) - sent
+    assert pulled > SECONDS * cap * MBIT // 8 * 0.8, f"the pull went around the IFB: {pulled} B"
+    # A flow on another port is neither capped nor sent through the IFB (its counters stand
+    # still: a stray last segment of the finished pull at most).
+    for server in (link.a.ip4, link.a.ip6) if cap == 50 else (link.a.ip4,):
+        time.sleep(0.3)
+        sent = qdisc_sent(node, ifb)
+        other = tb.iperf3(node, server=server, port=5201, seconds=2, reverse=True)
+        moved = qdisc_sent(node, ifb) - sent
+        assert other.bps > 1.3 * cap * MBIT, f"port 5201 capped: {other.bps / MBIT:.0f} Mbit/s"
+        assert moved < 64 << 10, f"{server} port 5201: {moved} B went through {ifb}"
+        print(f"{server} port 5201: {other.bps / MBIT:.0f} Mbit/s, {moved} B via {ifb}")
     if cap == 50:                        # IPv6 takes the same class (u32 at the fixed offset 40)
+        sent = qdisc_sent(node, ifb)
         v6 = tb.goodput(node, srv.url_for(link.a.ip6) + "/big.bin", seconds=2)
         assert 0.8 * cap * MBIT <= v6 <= cap * MBIT, f"IPv6: {v6 / MBIT:.1f} Mbit/s"
+        assert qdisc_sent(node, ifb) - sent > 2 * v6 // 8 * 0.8, "the IPv6 pull missed the IFB"
     shown = wagent(node, "shaping", "show", "--policy", policy).stdout
     assert f"ingress via wg-{link.b.ifname}"[:40] in shown and "8080" in shown
 
@@ -187,11 +212,55 @@ def test_apply_kill_apply_adopts_and_clear_restores(testbed):
     assert entry["ingress"]["ports"]["ipv6"] == [443, 8080] and entry["redirect"]
     qdiscs = node.run(["tc", "qdisc", "show", "dev", ifname]).stdout
     assert qdiscs.count("htb 5747:") == 1 and qdiscs.count("ingress ffff:") == 1
+    # one redirect per pulled port and IP version, nothing matching all traffic
+    filters = ingress_filters(node, ifname)
+    assert filters.count("mirred") == 4 and "protocol all" not in filters, filters
     classes = node.run(["tc", "class", "show", "dev", ifname]).stdout
     assert classes.count("class htb") == 3
     links = node.run(["ip", "-o", "link", "show", "type", "ifb"]).stdout
     assert links.count(f"wg-{ifname}"[:15]) == 1
     wagent(node, "shaping", "clear", "--state-dir", state)
+    assert snapshot(node) == before
+
+
+def test_an_old_match_all_redirect_is_adopted_and_narrowed(pair):
+    """Trees of an older wagent redirected all ingress into the IFB (u32 match-all, pref 10).
+    apply keeps the tree and swaps the redirect for the port filters, under a running pull."""
+    tb, origin, node, link, srv = pair
+    ifname, ifb = link.b.ifname, f"wg-{link.b.ifname}"[:15]
+    before = snapshot(node)
+    state = tb.tmpdir("state")
+    policy = write_policy(tb.tmpdir("p") / "policy.yaml", ifname, state, link_rate="10gbit",
+                          rate="1mbit", ceil="50mbit", sources=(srv.url_for(link.a),))
+    wagent(node, "shaping", "apply", "--policy", policy)
+    # What the old version left: the same IFB tree, one match-all redirect.
+    node.run(["tc", "filter", "del", "dev", ifname, "ingress"], check=True)
+    node.run(["tc", "filter", "add", "dev", ifname, "parent", "ffff:", "protocol", "all",
+              "pref", "10", "handle", "::1", "u32", "match", "u32", "0", "0", "at", "0",
+              "action", "mirred", "egress", "redirect", "dev", ifb], check=True)
+    sent = qdisc_sent(node, ifb)
+    tb.iperf3(node, server=link.a.ip4, port=5201, seconds=1, reverse=True)
+    assert qdisc_sent(node, ifb) - sent > 10 << 20       # the old way: everything via the IFB
+    url = srv.url_for(link.a) + "/big.bin"
+    with Sampler(node, ifb) as s:
+        pull = node.popen(["curl", "-s", "-o", "/dev/null", "--max-time", "5", url])
+        time.sleep(2)
+        t_apply = time.monotonic()
+        res = wagent(node, "shaping", "apply", "--policy", policy)
+        pull.wait(timeout=20)
+    assert "nothing to change" not in res.stdout, res.stdout
+    filters = ingress_filters(node, ifname)
+    assert "protocol all" not in filters and filters.count("mirred") == 2, filters
+    # the pull stayed in the IFB's distribution class (capped) before, during and after
+    rates = [r for t, r in s.rates("5747:20") if t > 1.0 + s.samples[0][0]]
+    assert rates and all(r <= 55 * MBIT for r in rates), rates
+    assert any(r >= 40 * MBIT for t, r in s.rates("5747:20") if t > t_apply + 0.6), rates
+    assert "nothing to change" in wagent(node, "shaping", "apply", "--policy", policy).stdout
+    sent = qdisc_sent(node, ifb)
+    tb.iperf3(node, server=link.a.ip4, port=5201, seconds=1, reverse=True)
+    assert qdisc_sent(node, ifb) - sent < 64 << 10       # now: training traffic passes by
+    capped_goodput(tb, node, url, 50)
+    wagent(node, "shaping", "clear", "--policy", policy)
     assert snapshot(node) == before
 
 

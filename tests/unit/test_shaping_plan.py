@@ -12,7 +12,11 @@ from shaping.plan import (
     DEFAULT_CLASS,
     DIST_CLASS,
     ETH_P_ALL,
+    ETH_P_IP,
+    ETH_P_IPV6,
     INGRESS_HANDLE,
+    PREF_REDIRECT_V4,
+    PREF_REDIRECT_V6,
     ROOT_HANDLE,
     AddIngress,
     CreateIfb,
@@ -28,7 +32,10 @@ from shaping.plan import (
     build_plan,
     bytes_to_ticks,
     ifb_name,
+    legacy_redirect,
     source_ports,
+    sport_keys_v4,
+    sport_keys_v6,
     with_ceil,
 )
 from shaping.reconcile import Original, clear, reconcile
@@ -58,15 +65,21 @@ def kernel_tree(tree: Tree, index: int, ifindex: dict[str, int] | None = None) -
                   True, 1000, (Qdisc("htb", ROOT_HANDLE, TC_H_ROOT, 0x10),), classes, filters)
 
 
-def applied(plan_shaping: Shaping) -> dict[str, Device]:
+def applied(plan_shaping: Shaping, legacy: bool = False) -> dict[str, Device]:
+    """The kernel after an apply; ``legacy``: by an older wagent (one match-all redirect)."""
     ip = build_plan(plan_shaping).interfaces[0]
     eth = kernel_tree(ip.egress, 2) if ip.egress else Device("eth0", True, 2)
     box = kernel_tree(ip.ingress, 7)
-    redirect = FilterState(INGRESS_HANDLE, ETH_P_ALL, 10, 0x80000001, "u32", 0,
-                           ip.redirect.keys, redirect_ifindex=7)
+    tables = {}                          # the ingress block numbers its own tables from 800:
+    redirects = (legacy_redirect(ip.ifb),) if legacy else ip.redirects
+    filters = tuple(
+        FilterState(f.parent, f.protocol, f.pref,
+                    ((0x800 + tables.setdefault(f.pref, len(tables))) << 20) | f.handle,
+                    "u32", 0, f.keys, redirect_ifindex=7)
+        for f in redirects)
     eth = Device("eth0", True, 2, "", True, 1000,
                  eth.qdiscs + (Qdisc("ingress", INGRESS_HANDLE, TC_H_INGRESS),), eth.classes,
-                 eth.filters + (redirect,))
+                 eth.filters + filters)
     return {"eth0": eth, ip.ifb: box}
 
 
@@ -91,7 +104,14 @@ def test_tree_shape_and_parameters():
     # one IPv4 and one IPv6 filter per port, both to the distribution class
     assert {(f.protocol, f.classid) for f in ip.ingress.filters} == {(0x0800, DIST_CLASS),
                                                                     (0x86DD, DIST_CLASS)}
-    assert ip.redirect.redirect == "wg-eth0" and ip.redirect.protocol == ETH_P_ALL
+    # the ingress redirects: only TCP from the pulled ports, IPv4 and IPv6, never match-all
+    assert [(f.protocol, f.pref, f.handle, f.keys, f.redirect) for f in ip.redirects] == [
+        (ETH_P_IP, PREF_REDIRECT_V4, 1, sport_keys_v4(443), "wg-eth0"),
+        (ETH_P_IPV6, PREF_REDIRECT_V6, 1, sport_keys_v6(443), "wg-eth0")]
+    assert sport_keys_v6(443)[-1].off == 40              # fixed offset: no extension headers
+    two = build_plan(shaping(pull_ports=(443, 8443))).interfaces[0].redirects
+    assert [(f.protocol, f.handle) for f in two] == [(ETH_P_IP, 1), (ETH_P_IPV6, 1),
+                                                     (ETH_P_IP, 2), (ETH_P_IPV6, 2)]
 
 
 def test_no_serve_ports_no_egress_tree_and_pull_ports_from_sources():
@@ -170,10 +190,11 @@ def test_fresh_interface_builds_both_trees_redirect_last():
     assert actions[0] == SetRootHtb("eth0")
     kinds = [type(a).__name__ for a in actions]
     assert kinds.count("SetRootHtb") == 2 and kinds.count("SetClass") == 6
-    assert kinds.count("SetFilter") == 5                 # 2 egress, 2 ingress, 1 redirect
+    assert kinds.count("SetFilter") == 6                 # 2 egress, 2 ingress, 2 redirects
     assert CreateIfb("wg-eth0") in actions
     assert actions.index(CreateIfb("wg-eth0")) < actions.index(SetRootHtb("wg-eth0"))
-    assert actions[-2:] == [AddIngress("eth0"), SetFilter("eth0", ip.redirect, create=True)]
+    assert actions[-3:] == [AddIngress("eth0")] + [SetFilter("eth0", f, create=True)
+                                                   for f in ip.redirects]
     assert all(a.create for a in actions if isinstance(a, SetClass))
 
 
@@ -202,6 +223,32 @@ def test_changed_ports_replace_filters_by_kernel_handle_and_drop_extra():
     assert {a.filter.handle >> 20 for a in replaced} == {0x800, 0x801}
     assert len(dropped) == 2 and all(a.handle & 0xFFF == 2 for a in dropped)
     assert not any(isinstance(a, (SetRootHtb, DeleteQdisc, SetClass)) for a in actions)
+
+
+def test_old_match_all_redirect_is_swapped_for_port_filters_add_first():
+    ip = build_plan(shaping()).interfaces[0]
+    old = applied(shaping(), legacy=True)
+    actions, notes = reconcile(ip, old, take_over=False)
+    assert notes == []
+    # the port filters go in while the match-all (pref 10, ahead of them) still sends every
+    # packet to the cap; only then the match-all goes: no moment a pull bypasses the IFB
+    assert actions == [SetFilter("eth0", f, create=True) for f in ip.redirects] + [
+        DeleteFilter("eth0", INGRESS_HANDLE, ETH_P_ALL, 10, 0)]
+    # the whole pref 10 goes, not just its node: no empty u32 table left on the packet path
+    assert render(actions[-1]) == "tc filter del dev eth0 parent ffff: protocol all pref 10 u32"
+    # and once done, the same plan changes nothing
+    assert reconcile(ip, applied(shaping()), take_over=False) == ([], [])
+
+
+def test_changed_pull_ports_replace_redirects_in_place_and_drop_extra():
+    old = applied(shaping(pull_ports=(443, 8443)))
+    ip = build_plan(shaping(pull_ports=(9000,))).interfaces[0]
+    actions, _ = reconcile(ip, old, take_over=False)
+    on_eth = [a for a in actions if a.device == "eth0"]
+    assert [type(a) for a in on_eth] == [SetFilter, SetFilter, DeleteFilter, DeleteFilter]
+    assert not any(a.create for a in on_eth[:2])
+    assert all(a.handle & 0xFFF == 2 and a.parent == INGRESS_HANDLE for a in on_eth[2:])
+    assert on_eth[0].filter.keys == sport_keys_v4(9000)
 
 
 def test_foreign_root_left_alone_unless_take_over():
@@ -256,8 +303,8 @@ def test_redirect_to_a_recreated_ifb_is_replaced():
     devices["wg-eth0"] = Device("wg-eth0", exists=False)
     actions, _ = reconcile(ip, devices, False)
     assert actions[0] == CreateIfb("wg-eth0")
-    assert isinstance(actions[-1], SetFilter) and not actions[-1].create
-    assert actions[-1].filter.handle == 0x80000001
+    assert all(isinstance(a, SetFilter) and not a.create for a in actions[-2:])
+    assert [a.filter.handle for a in actions[-2:]] == [0x80000001, 0x80100001]
 
 
 # ---- clear -----------------------------------------------------------------------------------
@@ -288,6 +335,13 @@ def test_clear_removes_a_redirect_to_a_vanished_ifb():
     assert DeleteLink("wg-eth0") not in actions
 
 
+def test_clear_removes_an_old_match_all_redirect_to_a_vanished_ifb():
+    devices = applied(shaping(), legacy=True)
+    del devices["wg-eth0"]
+    actions, _ = clear("eth0", "wg-eth0", devices, None)
+    assert actions[0] == DeleteQdisc("eth0", TC_H_INGRESS, INGRESS_HANDLE, "ingress")
+
+
 def test_clear_leaves_what_is_not_wagents():
     devices = fresh(Qdisc("tbf", 0x10000, TC_H_ROOT))
     assert clear("eth0", "wg-eth0", devices, None) == ([], [])
@@ -301,9 +355,14 @@ def test_dry_run_lines_are_tc_commands():
     assert any(line.startswith("tc class add dev eth0 parent 5747:1 classid 5747:20 htb rate "
                                "10000000bit ceil 100000000000bit") for line in lines)
     assert "ip link add wg-eth0 txqueuelen 1000 type ifb && ip link set wg-eth0 up" in lines
-    assert lines[-1] == ("tc filter add dev eth0 parent ffff: protocol all pref 10 handle ::1 u32 "
-                         "match u32 0x00000000 0x00000000 at 0 action mirred egress redirect "
-                         "dev wg-eth0")
+    assert lines[-2] == ("tc filter add dev eth0 parent ffff: protocol ip pref 20 handle ::1 u32 "
+                         "match u32 0x05000000 0x0f000000 at 0 match u32 0x00000000 0x00001fff "
+                         "at 4 match u32 0x00060000 0x00ff0000 at 8 match u32 0x01bb0000 "
+                         "0xffff0000 at 20 action mirred egress redirect dev wg-eth0")
+    assert lines[-1] == ("tc filter add dev eth0 parent ffff: protocol ipv6 pref 21 handle ::1 "
+                         "u32 match u32 0x00000600 0x0000ff00 at 4 match u32 0x01bb0000 "
+                         "0xffff0000 at 40 action mirred egress redirect dev wg-eth0")
+    assert not any("protocol all" in line for line in lines)
     v4 = next(line for line in lines if "protocol ip " in line and "dev eth0" in line)
     assert "match u32 0x1f900000 0xffff0000 at 20 flowid 5747:20" in v4
     assert render(DeleteFilter("eth0", ROOT_HANDLE, 0x86DD, 11, 0x80100002)) == (

@@ -20,14 +20,18 @@ from shaping.netlink import (
     parse_filter,
     parse_qdisc,
 )
-from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, Qdisc
+from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, FilterState, HtbClassState, Qdisc
 from shaping.plan import (
     DIST_CLASS,
     ETH_P_ALL,
     ETH_P_IP,
     ETH_P_IPV6,
+    INGRESS_HANDLE,
     ROOT_HANDLE,
+    DeleteFilter,
+    SetFilter,
     build_plan,
+    bytes_to_ticks,
     sport_keys_v4,
 )
 from shaping.reconcile import reconcile
@@ -82,6 +86,24 @@ def test_recorded_state_reconciles_to_nothing():
     ip = build_plan(POLICY).interfaces[0]
     egress_only = type(ip)(ip.interface, ip.egress, None)
     assert reconcile(egress_only, {"veth0": recorded_veth0()}, False) == ([], [])
+
+
+def test_recorded_old_match_all_redirect_becomes_port_filters():
+    """The recorded dump is from a wagent that redirected all ingress to the IFB (ifindex 4)."""
+    ip = build_plan(POLICY).interfaces[0]
+    tree = ip.ingress
+    classes = tuple(HtbClassState(c.classid, c.parent, c.rate // 8, c.ceil // 8,
+                                  bytes_to_ticks(c.burst, c.rate),
+                                  bytes_to_ticks(c.cburst, c.ceil), c.quantum, c.prio)
+                    for c in tree.classes)
+    filters = tuple(FilterState(f.parent, f.protocol, f.pref, 0x80000000 | (f.pref - 10) << 20
+                                | f.handle, "u32", f.classid, f.keys) for f in tree.filters)
+    box = Device(ip.ifb, True, 4, "ifb", True, 1000,
+                 (Qdisc("htb", ROOT_HANDLE, TC_H_ROOT, 0x10),), classes, filters)
+    actions, notes = reconcile(ip, {"veth0": recorded_veth0(), ip.ifb: box}, False)
+    assert notes == []
+    assert actions == [SetFilter("veth0", f, create=True) for f in ip.redirects] + [
+        DeleteFilter("veth0", INGRESS_HANDLE, ETH_P_ALL, 10, 0)]
 
 
 def test_class_message_round_trip_above_2_to_the_32_bytes_per_second():
