@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from agent.manifest import (
     MANIFEST_NAME,
@@ -35,6 +36,8 @@ from agent.pull.journal import Partial, PartialBusy
 from agent.pull.transfer import FileState, PullError, PullStopped, Settings, Transfer
 from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError
+
+T = TypeVar("T")
 
 __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped",
            "published_at", "pull_version", "resolve_latest"]
@@ -123,9 +126,10 @@ class PullResult:
     path: Path
 
 
-def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions) -> str:
-    """The version named by ``{source}/{model}/latest`` on the first source that answers."""
-    check_name("model", model)
+def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
+                  ask: Callable[[Client, Source], T]) -> T:
+    """``ask`` each source in order and return the first answer; a source that can't be used
+    (credentials, HTTP, a bad document) adds its reason to the error if none answers."""
     errors = []
     for source in sources:
         try:
@@ -134,39 +138,37 @@ def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions) 
             errors.append(str(e))
             continue
         try:
-            text = client.get_small(url_for(source, model, "latest"), 4096)
-            line = text.decode("utf-8", "replace").strip().splitlines()
-            return check_name("version", line[0].strip() if line else "")
+            return ask(client, source)
         except (FetchError, ManifestError) as e:
             errors.append(str(e))
         finally:
             client.close()
-    raise PullError(f"no source named the latest version of {model}: " + "; ".join(errors)
-                    if errors else "no sources configured")
+    raise PullError(f"{what}: " + "; ".join(errors) if errors else "no sources configured")
+
+
+def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions) -> str:
+    """The version named by ``{source}/{model}/latest`` on the first source that answers."""
+    check_name("model", model)
+
+    def ask(client: Client, source: Source) -> str:
+        text = client.get_small(url_for(source, model, "latest"), 4096)
+        line = text.decode("utf-8", "replace").strip().splitlines()
+        return check_name("version", line[0].strip() if line else "")
+
+    return _first_answer(sources, options, f"no source named the latest version of {model}", ask)
 
 
 def fetch_manifest(sources: Sequence[Source], model: str, version: str,
                    options: PullOptions) -> tuple[bytes, Manifest]:
-    errors = []
-    for source in sources:
+    def ask(client: Client, source: Source) -> tuple[bytes, Manifest]:
         url = url_for(source, model, version, MANIFEST_NAME)
-        try:
-            client = Client(source, options.timeouts)
-        except CredentialsError as e:
-            errors.append(str(e))
-            continue
-        try:
-            raw = client.get_small(url, MAX_MANIFEST_BYTES)
-            m = parse(raw, url)
-            if (m.model, m.version) != (model, version):
-                raise ManifestError(f"{url}: names {m.model}/{m.version}, not {model}/{version}")
-            return raw, m
-        except (FetchError, ManifestError) as e:
-            errors.append(str(e))
-        finally:
-            client.close()
-    raise PullError(f"no usable manifest for {model}/{version}: " + "; ".join(errors)
-                    if errors else "no sources configured")
+        raw = client.get_small(url, MAX_MANIFEST_BYTES)
+        m = parse(raw, url)
+        if (m.model, m.version) != (model, version):
+            raise ManifestError(f"{url}: names {m.model}/{m.version}, not {model}/{version}")
+        return raw, m
+
+    return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask)
 
 
 def pull_version(sources: Sequence[Source], model: str, version: str, store: Store, *,

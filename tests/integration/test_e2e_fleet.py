@@ -236,16 +236,21 @@ def test_fleet_waves_backoff_reload_restart(testbed):
         assert subprocess.run([WAGENT, "status", "--socket", str(inf.socket)],
                               capture_output=True, timeout=20).returncode == 3
     finally:
-        for n in nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
-                try:
-                    n.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    n.proc.kill()
-            if n.proc is not None:
-                print(f"--- {n.name}\n" + Path(n.proc.log_path).read_text()[-4000:])
+        stop_all(nodes)
 
+
+
+def stop_all(nodes: list) -> None:
+    """SIGTERM every daemon still running (kill after 10 s) and print each one's log tail."""
+    for n in nodes:
+        if n.proc is not None and n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGTERM)
+            try:
+                n.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                n.proc.kill()
+        if n.proc is not None:
+            print(f"--- {n.name}\n" + Path(n.proc.log_path).read_text()[-4000:])
 
 def cache_nginx(tb, host, models: Path) -> None:
     """nginx on the cache host with the site snippet we ship, pointed at its store."""
@@ -313,12 +318,4 @@ def test_cache_node_in_front_origin_serves_each_byte_once(testbed):
         for n in nodes[1:]:
             assert version_bytes(srv, n.host.ip4) == 0       # they all got it from the cache
     finally:
-        for n in nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
-                try:
-                    n.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    n.proc.kill()
-            if n.proc is not None:
-                print(f"--- {n.name}\n" + Path(n.proc.log_path).read_text()[-4000:])
+        stop_all(nodes)
