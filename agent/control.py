@@ -17,6 +17,15 @@ plus two kept for root and the service's user, and the controller's methods are 
 that thread, never from the daemon's main loop.
 The server knows nothing of the daemon: it calls methods on any object with ``status()``,
 ``reload()``, ``pause()`` and ``resume()`` (the controller doesn't know its transport).
+
+Both ends also check who could have put the socket there. Whoever can create names in the
+socket's directory can replace the socket with one of their own and answer root's ``reload`` or
+``pause`` with a success the daemon never heard. So the daemon refuses to start, and a client
+refuses to talk, unless that directory and each one above it is owned by a trusted user
+(:func:`trusted_uids`: root, this process's user, the service's user ``wagent``) and writable
+by nobody else (:func:`socket_dir_problem`). A client also asks the kernel who serves the socket
+(SO_PEERCRED on its own end gives the server's uid) and refuses an answer from anyone else
+before it sends the request.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import grp
 import json
 import logging
 import os
+import pwd
 import socket
 import stat
 import struct
@@ -45,6 +55,9 @@ RESERVED_SLOTS = 2         # connections beyond max_clients, for root and the se
 MAX_RESPONSE = 16 * 2**20
 # command -> changes something (needs root or the service's user)
 COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True}
+# wagent.service's User= (packaging/deb/wagent.sysusers); /run/wagent is its RuntimeDirectory
+SERVICE_USER = "wagent"
+DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
 class ControlError(Exception):
@@ -132,6 +145,75 @@ def dispatch(controller: Controller, request: Request, peer: Peer,
     return {"ok": True, "result": result}
 
 
+def trusted_uids() -> frozenset[int]:
+    """The users who may own the control socket's directories and serve the socket: root, this
+    process's own user (the daemon's user; for a client, a daemon the same user started by
+    hand) and the service's user when the package created it (the daemon runs as ``wagent``
+    while root or a ``wagent`` group member runs the client)."""
+    uids = {0, os.geteuid()}
+    with contextlib.suppress(KeyError):
+        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
+    return frozenset(uids)
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _ancestry(directory: str) -> list[str]:
+    """``/``, ``/a``, ``/a/b`` for ``/a/b``."""
+    parts = Path(directory).parts
+    return [os.path.join(*parts[:i + 1]) for i in range(len(parts))]
+
+
+def socket_dir_problem(path: str, trusted: Iterable[int] | None = None) -> str | None:
+    """Why the directory of the socket ``path`` lets someone untrusted replace the socket, or
+    None when it doesn't. Raises OSError (FileNotFoundError, PermissionError, ...) when a
+    directory can't be looked at.
+
+    Every directory from ``/`` down to the socket's must be owned by a trusted uid, and the
+    socket's own directory must not be group- or other-writable: a sticky bit doesn't help
+    there, since others may still create names in it (a socket while the daemon is down, the
+    lock file). A directory above may be world-writable if it is sticky (``/tmp``): the
+    sticky bit keeps others from renaming or removing the trusted user's entry in it, which
+    is all the path relies on. systemd's RuntimeDirectory=wagent (``/run/wagent``, owned by
+    ``wagent``, mode 0750) passes, as does a root-owned 0700 or 0755 directory anywhere.
+
+    The path as written and the path resolved are both checked: the resolved one is where
+    the socket really is; on the written one each symlink must be a trusted user's, in a
+    directory only trusted users can change (``/var/run`` -> ``/run`` passes)."""
+    ok = frozenset(trusted_uids() if trusted is None else trusted)
+    directory = os.path.dirname(os.path.abspath(path))
+    also = (f", or put the socket in a directory only root or {SERVICE_USER} can write, like "
+            f"the default {DEFAULT_SOCKET}")
+    for chain, follow in ((_ancestry(directory), False),
+                          (_ancestry(os.path.realpath(directory)), True)):
+        for i, d in enumerate(chain):
+            st = os.stat(d) if follow else os.lstat(d)
+            mode = st.st_mode
+            if st.st_uid not in ok:
+                return (f"{d} is owned by {_user(st.st_uid)}, not by root or the service's "
+                        f"user ({SERVICE_USER}): that user can replace the control socket and "
+                        f"answer for the daemon; fix: chown{' -h' * stat.S_ISLNK(mode)} root "
+                        f"{d}{also}")
+            if stat.S_ISLNK(mode) or not mode & 0o022:
+                continue   # a symlink's own mode means nothing; its target is in the other chain
+            last = i == len(chain) - 1
+            if not last and mode & stat.S_ISVTX:
+                continue
+            who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "all users"))
+                               if mode & bit)
+            sticky = " (sticky, but others can still create names in it)" \
+                if mode & stat.S_ISVTX else ""
+            return (f"{d} is writable by {who}, mode {stat.S_IMODE(mode):04o}{sticky}: they "
+                    f"can replace the control socket and answer for the daemon; fix: chmod "
+                    f"go-w {d}{also}")
+    return None
+
+
 def peer_credentials(conn: socket.socket) -> Peer:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -148,6 +230,8 @@ class ControlServer:
         self.controller = controller
         self.group = group
         self.allowed_uids = frozenset(allowed_uids) | {os.getuid()}
+        # who may own the socket's directories (the clients trust the same users to serve it)
+        self.trusted = trusted_uids()
         self.read_timeout = read_timeout
         self._slots = threading.BoundedSemaphore(max_clients)
         # Kept for root and the service's user: a reader in the socket's group holding every
@@ -167,6 +251,7 @@ class ControlServer:
         :meth:`start`, clients are refused and ``wagent status`` says "not running"."""
         if self._sock is not None:
             return
+        prepare_socket_dir(self.path, self.trusted)
         self._lock = _take_lock(self.path)
         try:
             self._sock = _bind(self.path, self.group)
@@ -297,11 +382,28 @@ def _read_line(conn: socket.socket, timeout: float, limit: int) -> bytes:
     return line
 
 
+def prepare_socket_dir(path: str, trusted: Iterable[int]) -> None:
+    """Creates the socket's missing directories (mode 0755, whatever the umask or Python's
+    default for parents), then refuses, naming the directory, unless only trusted users can
+    put a socket there: checked before the lock file or the socket is created in it. Public so
+    that a reload moving the socket can check the new path before it stops the old server."""
+    for d in _ancestry(os.path.dirname(os.path.abspath(path))):
+        if not os.path.isdir(d):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o755)
+    try:
+        problem = socket_dir_problem(path, trusted)
+    except OSError as e:
+        raise ControlError(f"can't check the control socket's directory for {path}: {e}",
+                           "setup") from None
+    if problem is not None:
+        raise ControlError(f"the control socket {path} is not safe: {problem}", "unsafe")
+
+
 def _take_lock(path: str) -> int:
     """An flock on ``{path}.lock``, held while the daemon runs. Connecting to the socket alone
     can't tell a live daemon from a stale file reliably (a daemon between bind and listen
     refuses connections, so two starters could each unlink the other's socket); the lock can."""
-    Path(path).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     lock = f"{path}.lock"
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -359,7 +461,19 @@ def _answers(path: str) -> bool:
 def call(path: str, cmd: str, args: dict[str, Any] | None = None,
          timeout: float = 10.0) -> dict[str, Any]:
     """Sends one request and returns the daemon's ``result``; raises NotRunning or
-    ControlError (with the daemon's words) otherwise."""
+    ControlError (with the daemon's words) otherwise. Refuses (kind ``unsafe``) a socket in a
+    directory others can write, and (kind ``untrusted``) a socket served by anyone but root,
+    this user or the service's user, before sending anything: either could be a socket put
+    there by someone else, answering success for a daemon that never heard the request."""
+    trusted = trusted_uids()
+    try:
+        problem = socket_dir_problem(path, trusted)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise NotRunning(f"{path}: {e.strerror}") from None   # /run/wagent goes with the service
+    except PermissionError:
+        raise _permission_denied(path) from None
+    if problem is not None:
+        raise ControlError(f"not trusting the control socket {path}: {problem}", "unsafe")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         try:
@@ -367,13 +481,21 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise NotRunning(f"{path}: {e.strerror}") from None
         except PermissionError:
-            raise ControlError(
-                f"permission denied on {path}; run as root or as a member of the socket's "
-                "group (wagent)", "forbidden") from None
+            raise _permission_denied(path) from None
         except OSError as e:
             if e.errno in (errno.ENOTSOCK, errno.ENOTDIR):
                 raise NotRunning(f"{path}: {e.strerror}") from None
             raise
+        # The kernel's word on who listens (the server's credentials as of its listen()),
+        # checked before the request goes out: an impostor learns nothing and can't claim a
+        # reload or pause happened.
+        peer = peer_credentials(s)
+        if peer.uid not in trusted:
+            raise ControlError(
+                f"not trusting the control socket {path}: it is served by {_user(peer.uid)} "
+                f"(pid {peer.pid}), neither root nor the service's user ({SERVICE_USER}), so "
+                "it is not the daemon's; nothing was sent. Find who replaced it (ss -xlp) and "
+                "restart the daemon (systemctl restart wagent)", "untrusted")
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # a busy daemon answers and closes before reading; its answer is still there
             s.sendall(encode({"cmd": cmd, "args": args or {}}))
@@ -392,6 +514,11 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
     if not reply.get("ok"):
         raise ControlError(reply.get("error", "unknown error"), reply.get("kind", "error"))
     return reply.get("result", {})
+
+
+def _permission_denied(path: str) -> ControlError:
+    return ControlError(f"permission denied on {path}; run as root or as a member of the "
+                        f"socket's group ({SERVICE_USER})", "forbidden")
 
 
 def _read_reply(s: socket.socket) -> bytes:

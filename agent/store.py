@@ -2,19 +2,28 @@
 
 ::
 
-    {root}/blobs/{sha256}                     complete, verified files (read-only)
+    {root}/blobs/{blob id}                    complete, verified files (read-only)
     {root}/models/{model}/{version}/{path}    relative symlinks into blobs/, and manifest.json
-    {root}/partial/{sha256}.part|.journal     files being pulled, and their piece journals
+    {root}/partial/{blob id}.part|.journal    files being pulled, and their piece journals
     {root}/usage.json                         last use of each version (for LRU eviction)
 
-A version directory is built aside (``models/{model}/.tmp-...``) and renamed into place, so it
-appears whole or not at all; it holds the origin's manifest.json, which makes ``models/`` a valid
-origin for other nodes (nginx follows the symlinks). The store never writes through a symlink:
-every directory it writes into is checked with lstat first, and manifest paths are checked before.
+A blob is named by its blob id (``agent.blob_id``): a digest of the pieces this store verified,
+never the sha256 a manifest claims, so no manifest can put its bytes under a name another
+version uses. A version directory is built aside (``models/{model}/.tmp-...``) and renamed into
+place, so it appears whole or not at all; it holds the origin's manifest.json, which makes
+``models/`` a valid origin for other nodes (nginx follows the symlinks).
+
+Safety rules: the store never writes through a symlink (every directory it writes into is checked
+with lstat first, and manifest paths are checked before); paths inside a version are resolved one
+component at a time with O_NOFOLLOW; every file and directory gets an explicit mode (0755
+directories, 0444 blobs, 0644 files) whatever the caller's umask, so no other user can swap a
+part of the tree. Durability: a blob's rename is made durable (fsync of blobs/) before any version
+links to it, and a version directory is fsynced, with everything in it, before it is renamed into
+place and its parent fsynced, so after a power cut a version is either absent or complete.
 
 What a crash can leave (a ``.tmp-`` or ``.trash-`` directory, a partial file nobody resumes, a
-journal whose file already landed) is cleaned up by ``evict``, which runs only while no pull holds
-the store.
+journal whose file already landed) is cleaned up by ``clean`` (at the start of every pull, and
+when the disk is full) and by ``evict``; both run only while no pull holds the store.
 """
 
 from __future__ import annotations
@@ -25,18 +34,27 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import uuid
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent import evict as evict_choice
+from agent.blob_id import blob_id
+from agent.durable import fsync_dir
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError, check_name, parse, published_ts
+from agent.pull import journal
 
 log = logging.getLogger(__name__)
 PARTIAL_AFTER = 7 * 86400.0     # a partial file no pull advanced for a week is dropped
+DIR_MODE = 0o755
+FILE_MODE = 0o644
+BLOB_MODE = 0o444
+_BLOB_NAME = re.compile(r"^[0-9a-f]{64}$")
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class StoreError(Exception):
@@ -71,7 +89,10 @@ class Store:
     # -- layout ---------------------------------------------------------------------------------
     def ensure(self) -> None:
         """Create the store's directories, refusing any that is a symlink or not a directory."""
-        os.makedirs(self.root, exist_ok=True)   # the root may be a symlink the admin made
+        if not self.root.is_dir():
+            os.makedirs(self.root, exist_ok=True)   # the root may be a symlink the admin made
+            os.chmod(self.root, DIR_MODE)
+            fsync_dir(self.root.parent)
         for d in (self.blobs, self.models, self.partial):
             real_dir(d)
 
@@ -90,48 +111,81 @@ class Store:
     def version_dir(self, model: str, version: str) -> Path:
         return self.model_dir(model) / check_name("version", version)
 
-    def blob_path(self, sha256: str) -> Path:
-        return self.blobs / sha256
+    def blob_path(self, name: str) -> Path:
+        return self.blobs / name
 
-    def has_blob(self, sha256: str) -> bool:
+    def has_blob(self, name: str, size: int | None = None) -> bool:
+        """A regular file in blobs/ (never a symlink), of ``size`` bytes when given."""
         try:
-            return stat.S_ISREG(os.lstat(self.blob_path(sha256)).st_mode)
+            st = os.lstat(self.blob_path(name))
         except FileNotFoundError:
             return False
+        return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
-    def blob_shas(self) -> set[str]:
-        """Names of the regular files in blobs/ (a symlink there is no blob: has_blob agrees)."""
-        try:
-            with os.scandir(self.blobs) as it:
-                return {e.name for e in it if len(e.name) == 64
-                        and e.is_file(follow_symlinks=False)}
-        except FileNotFoundError:
-            return set()
+    def blob_sizes(self) -> dict[str, int]:
+        """Name -> size of the regular files in blobs/ (a symlink there is no blob)."""
+        out = {}
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.blobs) as it:
+            for e in it:
+                if _BLOB_NAME.match(e.name) and e.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        out[e.name] = e.stat(follow_symlinks=False).st_size
+        return out
 
     # -- installed versions ---------------------------------------------------------------------
     def installed(self, model: str, version: str) -> Manifest | None:
-        """The manifest of an installed version: a real directory whose every file links to
-        its blob, and every blob present; else None (a pull then publishes it anew)."""
-        d = self.version_dir(model, version)
+        """The manifest of an installed version: a real directory whose every file links to the
+        blob of its pieces, of its size; else None (a pull then publishes it anew)."""
         m = self._version_manifest(model, version)
-        if m is None or os.path.islink(d):
+        if m is None:
             return None
+        linked = self._linked_blobs(m)
         for f in m.files:
-            try:
-                link = os.readlink(d / f.path)
-            except OSError:
-                return None
-            if link != os.path.relpath(self.blob_path(f.sha256), (d / f.path).parent) \
-                    or not self.has_blob(f.sha256):
+            bid = blob_id(f)
+            if linked.get(f.path) != bid or not self.has_blob(bid, f.size):
                 return None
         return m
+
+    def _linked_blobs(self, m: Manifest) -> dict[str, str]:
+        """path -> the blob its symlink names, for every file of a version whose link is one
+        of ours (relative, into blobs/, no symlinked directory on the way)."""
+        out = {}
+        with contextlib.suppress(OSError), self._open_version(m.model, m.version) as vfd:
+            for f in m.files:
+                target = _readlink_at(vfd, f.path)
+                if target is None:
+                    continue
+                depth = f.path.count("/") + 3       # up through the version, model and models/
+                head, _, name = target.rpartition("/")
+                if head == "/".join([".."] * depth + ["blobs"]) and _BLOB_NAME.match(name):
+                    out[f.path] = name
+        return out
+
+    @contextlib.contextmanager
+    def _open_version(self, model: str, version: str) -> Iterator[int]:
+        """A descriptor of the version directory, reached without following a symlink past the
+        store's root (a model or version swapped for a symlink is not that version)."""
+        fd = os.open(self.models, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for name in (check_name("model", model), check_name("version", version)):
+                nfd = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            yield fd
+        finally:
+            os.close(fd)
 
     def _version_manifest(self, model: str, version: str) -> Manifest | None:
         """The manifest.json of a version directory, complete or not."""
         path = self.version_dir(model, version) / MANIFEST_NAME
         try:
-            m = parse(path.read_bytes(), str(path))
-        except (FileNotFoundError, NotADirectoryError):
+            with self._open_version(model, version) as vfd:
+                fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=vfd)
+                with os.fdopen(fd, "rb") as f:
+                    raw = f.read()
+            m = parse(raw, str(path))
+        except OSError:
             return None
         except ManifestError as e:
             log.warning("ignoring installed version: %s", e)
@@ -164,10 +218,9 @@ class Store:
             m = self.installed(model, version)
             if m is None:
                 continue
-            sizes = {f.sha256: f.size for f in m.files}
             pub = published_ts(m.published)
             out.append(VersionInfo(model, version, pub, usage.get(f"{model}/{version}", pub),
-                                   sum(sizes.values()), self.version_dir(model, version)))
+                                   _distinct_size(m), self.version_dir(model, version)))
         out.sort(key=lambda v: (v.published, v.version), reverse=True)
         return out
 
@@ -177,48 +230,91 @@ class Store:
         except (FileNotFoundError, NotADirectoryError, ManifestError):
             return []
 
+    def _every_manifest(self) -> list[Manifest]:
+        """Every version with a readable manifest, complete or not."""
+        return [m for model in self.model_names() for v in self._version_names(model)
+                if (m := self._version_manifest(model, v)) is not None]
+
     def piece_index(self) -> dict[str, tuple[str, int]]:
-        """piece sha256 -> (blob sha256, offset) for every piece of every installed version."""
+        """piece sha256 -> (blob name, offset) for every piece of every version's blobs.
+
+        Built from the blobs the versions' links really name (a store written by an older
+        wagent named blobs otherwise): whatever the name, a copied piece is hashed before use.
+        """
         index: dict[str, tuple[str, int]] = {}
-        for m in self.manifests():
+        sizes = self.blob_sizes()
+        for m in self._every_manifest():
+            linked = self._linked_blobs(m)
             for f in m.files:
+                name = linked.get(f.path)
+                if name is None or sizes.get(name) != f.size:
+                    continue
                 for p in f.pieces:
-                    index.setdefault(p.sha256, (f.sha256, p.offset))
+                    index.setdefault(p.sha256, (name, p.offset))
         return index
 
     # -- writing --------------------------------------------------------------------------------
-    def add_blob(self, src: Path, sha256: str) -> Path:
-        """Move a verified file into blobs/ (same file system: a rename), then make it read-only.
+    def add_blob(self, src: Path, name: str, size: int) -> Path:
+        """Move a verified file into blobs/ (same file system: a rename) under its blob id.
 
         Read-only only after the rename: a part file left 0444 by a crash could not be reopened
-        for writing by a pull that doesn't run as root.
+        for writing by a pull that doesn't run as root. blobs/ is fsynced before returning: a
+        version may link to the blob only once its name is durable.
         """
         real_dir(self.blobs)
-        dest = self.blob_path(sha256)
+        got = os.lstat(src).st_size
+        if got != size:
+            raise StoreError(f"{src} has {got} bytes, its file {size}: not published")
+        dest = self.blob_path(name)
         os.replace(src, dest)
-        os.chmod(dest, 0o444)
+        os.chmod(dest, BLOB_MODE)
+        fsync_dir(self.blobs)
         return dest
 
     def publish(self, m: Manifest, manifest_bytes: bytes, now: float) -> Path:
-        """Build the version's tree aside and rename it into place; every blob must be present."""
-        missing = [f.path for f in m.files if not self.has_blob(f.sha256)]
+        """Build the version's tree aside and rename it into place; every blob must be present.
+
+        Durable when it returns. The order: blobs/ was fsynced as each blob landed; here every
+        directory of the new tree and its manifest are fsynced before the rename, and the model
+        directory after it. A power cut before the last fsync leaves either no version (a
+        ``.tmp-`` directory that ``clean`` removes) or the complete one, never a version
+        directory missing a link or holding an empty manifest.
+        """
+        missing = [f.path for f in m.files if not self.has_blob(blob_id(f), f.size)]
         if missing:
             raise StoreError(f"cannot publish {m.model}/{m.version}: blobs missing for {missing}")
+        new_model = not os.path.lexists(self.model_dir(m.model))
         model_dir = real_dir(self.model_dir(m.model))
+        if new_model:
+            fsync_dir(self.models)
         final = self.version_dir(m.model, m.version)
         if self.installed(m.model, m.version) is not None:
             self.touch(m.model, m.version, now)
             return final
         tmp = model_dir / f".tmp-{m.version}-{uuid.uuid4().hex[:8]}"
-        os.mkdir(tmp)
+        os.mkdir(tmp, DIR_MODE)
+        os.chmod(tmp, DIR_MODE)
         try:
+            dirs = {tmp}
             for f in m.files:
                 dest = tmp / f.path
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.symlink(os.path.relpath(self.blob_path(f.sha256), dest.parent), dest)
-            with open(tmp / MANIFEST_NAME, "wb") as out:
+                for parent in reversed(dest.relative_to(tmp).parents[:-1]):
+                    d = tmp / parent
+                    if d not in dirs:
+                        os.mkdir(d, DIR_MODE)
+                        os.chmod(d, DIR_MODE)
+                        dirs.add(d)
+                os.symlink(os.path.relpath(self.blob_path(blob_id(f)), dest.parent), dest)
+            fd = os.open(tmp / MANIFEST_NAME,
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         FILE_MODE)
+            with os.fdopen(fd, "wb") as out:
+                os.fchmod(out.fileno(), FILE_MODE)
                 out.write(manifest_bytes)
-                os.fsync(out.fileno())      # never a version directory with an empty manifest
+                out.flush()
+                os.fsync(out.fileno())
+            for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+                fsync_dir(d)
             try:
                 os.rename(tmp, final)
             except OSError as e:
@@ -228,11 +324,13 @@ class Store:
                     shutil.rmtree(tmp)      # another pull published it first
                 else:
                     # Something broken stands there (a symlink, a file, a version a crash or a
-                    # hand left incomplete): set it aside, then put the good one in its place.
+                    # hand left incomplete, one an older wagent linked to other blob names):
+                    # set it aside, then put the good one in its place.
                     trash = model_dir / f".trash-{m.version}-{uuid.uuid4().hex[:8]}"
                     os.rename(final, trash)
                     os.rename(tmp, final)
                     _remove(trash)
+            fsync_dir(model_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -255,7 +353,7 @@ class Store:
     @contextlib.contextmanager
     def _usage_lock(self) -> Iterator[None]:
         """Two pulls may touch at once (both hold the store lock shared): no lost update."""
-        fd = os.open(self.root / ".usage.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = _open_lock(self.root / ".usage.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -266,12 +364,17 @@ class Store:
         try:
             data = json.loads(self._usage_file.read_text())
             return {k: float(v) for k, v in data.items()} if isinstance(data, dict) else {}
-        except (FileNotFoundError, ValueError, TypeError, AttributeError):
+        except (FileNotFoundError, ValueError, TypeError, AttributeError, RecursionError):
             return {}
 
     def _write_usage(self, usage: Mapping[str, float]) -> None:
+        # An LRU hint: atomic (a reader never sees half of it), not fsynced.
         tmp = self._usage_file.with_name(f".usage.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(dict(sorted(usage.items())), indent=1))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     FILE_MODE)
+        with os.fdopen(fd, "w") as out:
+            os.fchmod(out.fileno(), FILE_MODE)
+            out.write(json.dumps(dict(sorted(usage.items())), indent=1))
         os.replace(tmp, self._usage_file)
 
     # -- space ----------------------------------------------------------------------------------
@@ -285,41 +388,63 @@ class Store:
                         total += e.stat(follow_symlinks=False).st_blocks * 512
         return total
 
+    def free_bytes(self) -> int:
+        """Bytes the store's file system still gives an unprivileged writer."""
+        st = os.statvfs(self.partial if self.partial.is_dir() else self.root)
+        return st.f_bavail * st.f_frsize
+
     @contextlib.contextmanager
     def pull_lock(self) -> Iterator[None]:
         """Held (shared) by a pull, so eviction never removes a blob a pull is about to use."""
-        os.makedirs(self.root, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self.ensure()
+        fd = _open_lock(self.root / ".lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             yield
         finally:
             os.close(fd)
 
-    def evict(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
-              max_size: int | None, now: float, evict_after: float | None = None,
-              partial_after: float | None = PARTIAL_AFTER) -> list[Removed]:
-        """Remove what the rules of agent.evict choose; returns what went (nothing if busy).
-
-        Also cleans what crashes leave: ``.tmp-``/``.trash-`` directories, journals of files
-        that landed, and partial files no pull has advanced for ``partial_after`` seconds (a
-        version no longer wanted would otherwise hold its preallocated space for ever).
-        """
-        if not self.root.is_dir():
-            return []
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[bool]:
+        """The store lock, exclusive if no pull holds it: yields whether it was had."""
+        fd = _open_lock(self.root / ".lock")
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                log.info("store %s busy (a pull is running): eviction deferred", self.root)
-                return []
-            removed = self._clean_leftovers(now, partial_after)
-            return removed + self._evict_locked(keep, pins, max_size, now, evict_after)
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
 
-    def _clean_leftovers(self, now: float, partial_after: float | None) -> list[Removed]:
+    def clean(self, now: float, partial_after: float | None = PARTIAL_AFTER,
+              wanted: Callable[[str], bool] | None = None) -> list[Removed]:
+        """Remove what crashes leave, and partial files nobody is pulling that are stale: idle
+        for ``partial_after`` seconds, or (``wanted`` given, the disk being full) not wanted.
+
+        Partial files are taken one by one under their own lock, so this is safe while other
+        pulls run; the ``.tmp-``/``.trash-`` directories only when no pull holds the store.
+        """
+        if not self.root.is_dir():
+            return []
+        with self._exclusive() as alone:
+            return self._clean(alone, now, partial_after, wanted)
+
+    def _clean(self, alone: bool, now: float, partial_after: float | None,
+               wanted: Callable[[str], bool] | None) -> list[Removed]:
+        if alone:
+            self._clean_dirs()
+        blobs = self.blob_sizes()
+
+        def stale(name: str, idle: float) -> bool:
+            return name in blobs or (partial_after is not None and idle >= partial_after) \
+                or (wanted is not None and not wanted(name))
+
+        return [Removed("partial", name, size)
+                for name, size in journal.clean(self.partial, now, stale)]
+
+    def _clean_dirs(self) -> None:
         for model in self.model_names():
             with contextlib.suppress(FileNotFoundError, NotADirectoryError, ManifestError), \
                     os.scandir(self.model_dir(model)) as it:
@@ -330,23 +455,24 @@ class Store:
             for e in it:
                 if e.name.startswith(".usage.tmp-"):
                     _remove(Path(e.path))
-        blobs = self.blob_shas()
-        by_sha: dict[str, list[os.DirEntry[str]]] = {}
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.partial) as it:
-            for e in it:
-                by_sha.setdefault(e.name.split(".", 1)[0], []).append(e)
-        removed = []
-        for sha, entries in sorted(by_sha.items()):
-            stats = []
-            for e in entries:
-                with contextlib.suppress(FileNotFoundError):
-                    stats.append(e.stat(follow_symlinks=False))
-            idle = now - max((st.st_mtime for st in stats), default=now)
-            if sha in blobs or (partial_after is not None and idle >= partial_after):
-                for e in entries:
-                    _remove(Path(e.path))
-                removed.append(Removed("partial", sha, sum(st.st_blocks * 512 for st in stats)))
-        return removed
+
+    def evict(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
+              max_size: int | None, now: float, evict_after: float | None = None,
+              partial_after: float | None = PARTIAL_AFTER) -> list[Removed]:
+        """Remove what the rules of agent.evict choose; returns what went (nothing if busy).
+
+        Also cleans what crashes leave (``clean``): partial files no pull has advanced for
+        ``partial_after`` seconds go too (a version no longer wanted would otherwise hold its
+        preallocated space for ever).
+        """
+        if not self.root.is_dir():
+            return []
+        with self._exclusive() as alone:
+            if not alone:
+                log.info("store %s busy (a pull is running): eviction deferred", self.root)
+                return []
+            removed = self._clean(True, now, partial_after, None)
+            return removed + self._evict_locked(keep, pins, max_size, now, evict_after)
 
     def _evict_locked(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
                       max_size: int | None, now: float, evict_after: float | None
@@ -355,19 +481,17 @@ class Store:
         uses = []
         sizes_by_version = {}
         # Every version with a readable manifest, complete or not: the blobs of a kept version
-        # that lost one of them stay, so pulling it again fetches only what is missing.
-        every = [m for model in self.model_names() for v in self._version_names(model)
-                 if (m := self._version_manifest(model, v)) is not None]
-        for m in every:
+        # that lost one of them stay, so pulling it again fetches only what is missing; the
+        # blobs it uses are those its links name (or would name, for a lost one).
+        for m in self._every_manifest():
             pub = published_ts(m.published)
             key = f"{m.model}/{m.version}"
+            linked = self._linked_blobs(m)
+            names = frozenset(linked.get(f.path) or blob_id(f) for f in m.files)
             uses.append(evict_choice.VersionUse(m.model, m.version, pub, usage.get(key, pub),
-                                                frozenset(f.sha256 for f in m.files)))
-            sizes_by_version[key] = sum({f.sha256: f.size for f in m.files}.values())
-        blob_sizes = {}
-        for sha in self.blob_shas():
-            with contextlib.suppress(FileNotFoundError):
-                blob_sizes[sha] = os.lstat(self.blob_path(sha)).st_size
+                                                names))
+            sizes_by_version[key] = _distinct_size(m)
+        blob_sizes = self.blob_sizes()
         choice = evict_choice.choose(uses, blob_sizes, keep=keep, pins=pins, max_size=max_size,
                                      now=now, evict_after=evict_after)
         removed = []
@@ -379,13 +503,42 @@ class Store:
             usage.pop(f"{model}/{version}", None)
             removed.append(Removed("version", f"{model}/{version}",
                                    sizes_by_version[f"{model}/{version}"]))
-        for sha in choice.blobs:
+        for name in choice.blobs:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.blob_path(sha))
-                removed.append(Removed("blob", sha, blob_sizes[sha]))
+                os.unlink(self.blob_path(name))
+                removed.append(Removed("blob", name, blob_sizes[name]))
         if choice.versions:
             self._write_usage(usage)
         return removed
+
+
+def _distinct_size(m: Manifest) -> int:
+    return sum({blob_id(f): f.size for f in m.files}.values())
+
+
+def _open_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    os.fchmod(fd, FILE_MODE)
+    return fd
+
+
+def _readlink_at(dir_fd: int, rel: str) -> str | None:
+    """The target of the symlink ``rel`` under ``dir_fd``, reached without following any
+    symlink on the way (a subdirectory swapped for a symlink is refused); None if not a link."""
+    parts = rel.split("/")
+    fd = dir_fd
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, _NOFOLLOW_DIR, dir_fd=fd)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = nfd
+        return os.readlink(parts[-1], dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        if fd != dir_fd:
+            os.close(fd)
 
 
 def _remove(path: Path) -> None:
@@ -403,7 +556,9 @@ def real_dir(path: Path) -> Path:
         st = os.lstat(path)
     except FileNotFoundError:
         try:
-            os.mkdir(path, 0o755)
+            os.mkdir(path, DIR_MODE)
+            os.chmod(path, DIR_MODE)        # the mode asked, whatever the umask
+            fsync_dir(path.parent)
         except FileExistsError:
             pass
         st = os.lstat(path)

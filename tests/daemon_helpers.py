@@ -117,6 +117,74 @@ def wait_for_socket(path: Path, proc: subprocess.Popen, timeout: float = 15.0) -
     raise AssertionError(f"no control socket at {path} within {timeout} s")
 
 
+# -- a control socket someone else replaced -------------------------------------------------
+_IMPOSTOR = r"""
+import json, os, socket, sys
+path, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgroups([])
+os.setgid(gid)
+os.setuid(uid)            # before bind and listen: SO_PEERCRED reports who listened
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+os.chmod(path, 0o666)
+srv.listen(8)
+print("ready", flush=True)
+answers = {"reload": {"reloaded": True, "path": "/etc/wagent/policy.yaml", "sha256": "0" * 64},
+           "pause": {"paused": True}, "resume": {"paused": False}, "ping": {"pong": True}}
+while True:
+    conn, _ = srv.accept()
+    with conn:
+        conn.settimeout(5)
+        try:
+            line = conn.makefile("rb").readline()
+            if not line.strip():
+                continue          # the client hung up without asking anything
+            print("heard", line.decode().strip(), flush=True)
+            cmd = json.loads(line).get("cmd")
+            reply = {"ok": True, "result": answers.get(cmd, {"schema": 1})}
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except (OSError, ValueError):
+            pass
+"""
+
+
+class Impostor:
+    """A control socket at ``path`` served by another user (nobody by default), answering
+    success to everything, as a user who replaced the daemon's socket would. :meth:`heard`
+    lists the requests that reached it. The directory must let that user create the socket."""
+
+    def __init__(self, path: Path, uid: int = 65534, gid: int = 65534) -> None:
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-c", _IMPOSTOR, str(path), str(uid),
+                                      str(gid)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        ready = self.proc.stdout.readline()
+        if ready.strip() != "ready":
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the impostor didn't start: {ready!r}")
+
+    def heard(self) -> list[str]:
+        """Stops the impostor; the requests it was sent."""
+        self.close()
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        return [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("heard ")]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Impostor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 # -- nodes on the testbed --------------------------------------------------------------------
 @dataclass
 class Node:

@@ -53,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
     except ShapingError as e:
         print(f"wagent run: can't apply shaping, not starting unshaped: {e}", file=sys.stderr)
         return 1
-    except (ControlError, MetricsError, StoreError, OSError) as e:
+    except ControlError as e:
+        # "unsafe": a control socket others could replace; the message names the directory
+        what = "refusing to start" if e.kind == "unsafe" else "can't start"
+        print(f"wagent run: {what}: {e}", file=sys.stderr)
+        return 1
+    except (MetricsError, StoreError, OSError) as e:
         print(f"wagent run: can't start: {e}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ local blob are copied, the rest fetched); run the transfer; publish the version 
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -31,15 +32,24 @@ from agent.manifest import (
 from agent.policy_model import Pulls, Source
 from agent.pull import plan as planning
 from agent.pull.goodput import Floor
-from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, url_for
+from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, redact, url_for
 from agent.pull.journal import Partial, PartialBusy
-from agent.pull.transfer import FileState, PullError, PullStopped, Settings, Transfer
+from agent.pull.transfer import (
+    FREE_SPACE_HINT,
+    FileState,
+    PullError,
+    PullStopped,
+    Settings,
+    StoreFull,
+    Transfer,
+)
 from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError
+from agent.units import format_size
 
 T = TypeVar("T")
 
-__all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped",
+__all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped", "StoreFull",
            "published_at", "pull_version", "resolve_latest"]
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,11 @@ class PullOptions:
     chunk: int = 2**20                  # bytes read (and paid to the bucket) at a time
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
+    # Deadlines (see http.py): a response's headers within headers_deadline s of its request
+    # (None: connect + read timeout); a manifest or `latest` body at small_body_rate bytes/s
+    # at least, after one read timeout.
+    headers_deadline: float | None = None
+    small_body_rate: float = 256 * 1024
     retries: int = 5
     backoff_base: float = 0.5
     backoff_cap: float = 30.0
@@ -81,7 +96,8 @@ class PullOptions:
 
     @property
     def timeouts(self) -> Timeouts:
-        return Timeouts(self.connect_timeout, self.read_timeout)
+        return Timeouts(self.connect_timeout, self.read_timeout, self.headers_deadline,
+                        self.small_body_rate)
 
     @property
     def floor(self) -> Floor:
@@ -163,9 +179,10 @@ def fetch_manifest(sources: Sequence[Source], model: str, version: str,
     def ask(client: Client, source: Source) -> tuple[bytes, Manifest]:
         url = url_for(source, model, version, MANIFEST_NAME)
         raw = client.get_small(url, MAX_MANIFEST_BYTES)
-        m = parse(raw, url)
+        m = parse(raw, redact(url))
         if (m.model, m.version) != (model, version):
-            raise ManifestError(f"{url}: names {m.model}/{m.version}, not {model}/{version}")
+            raise ManifestError(f"{redact(url)}: names {m.model}/{m.version}, not "
+                                f"{model}/{version}")
         return raw, m
 
     return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask)
@@ -188,18 +205,32 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
             version = resolve_latest(sources, model, options)
         check_name("version", version)
         store.check_writable(model, version)
-        with store.pull_lock():
-            m = store.installed(model, version)
-            if m is not None:
-                store.touch(model, version, wall_clock())
-                return PullResult(model, version, 0, 0, m.size, len(m.files), clock() - started,
-                                  store.version_dir(model, version))
-            raw, m = fetch_manifest(sources, model, version, options)
-            return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
-                         wall_clock, started)
+        # Every start tidies what a crash or an abandoned version left (never what a pull holds).
+        store.clean(wall_clock())
+        try:
+            with store.pull_lock():
+                m = store.installed(model, version)
+                if m is not None:
+                    store.touch(model, version, wall_clock())
+                    return PullResult(model, version, 0, 0, m.size, len(m.files),
+                                      clock() - started, store.version_dir(model, version))
+                raw, m = fetch_manifest(sources, model, version, options)
+                return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
+                             wall_clock, started)
+        except StoreFull as e:
+            # Outside the pull lock: the crash leftovers can go too. Partial files of other
+            # versions give their space back; this version's stay for the next try.
+            wanted = set(planning.distinct_files(m))
+            freed = sum(r.size for r in store.clean(wall_clock(), wanted=wanted.__contains__))
+            if freed:
+                raise StoreFull(f"{e} (freed {format_size(freed)} of stale partial files since)"
+                                ) from None
+            raise
     except (ManifestError, StoreError) as e:
         raise PullError(str(e)) from None
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(f"no space left in the store {store.root}: {e.strerror}") from None
         raise PullError(f"store {store.root}: {e.strerror or e} ({e.filename or ''})") from None
 
 
@@ -208,38 +239,31 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           progress: Callable[[PullProgress], None] | None, stop: threading.Event,
           clock: Callable[[], float], wall_clock: Callable[[], float],
           started: float) -> PullResult:
-    blobs = store.blob_shas()
-    first: dict[str, str] = {}
-    for f in m.files:
-        first.setdefault(f.sha256, f.path)
+    blobs = store.blob_sizes()
+    distinct = planning.distinct_files(m)
     partials: dict[str, Partial] = {}
     try:
-        for sha in first:
-            if sha not in blobs:
-                partials[sha] = Partial(store.partial, sha,
-                                        next(f.size for f in m.files if f.sha256 == sha),
-                                        durable=options.durable)
+        for bid, (f, _) in distinct.items():
+            if blobs.get(bid) != f.size:
+                partials[bid] = Partial(store.partial, bid, f.size, durable=options.durable)
         p = planning.plan(m, blobs, store.piece_index() if partials else {},
-                          {sha: part.done for sha, part in partials.items()})
+                          {bid: part.done for bid, part in partials.items()})
         for fp in p.files:
-            partials[fp.sha256].keep_only({piece.offset for piece in fp.done})
-            partials[fp.sha256].preallocate()
-    except PartialBusy as e:
+            partials[fp.blob].keep_only({piece.offset for piece in fp.done})
+        _reserve(store, m, [partials[fp.blob] for fp in p.files], wall_clock())
+    except BaseException as e:
         for part in partials.values():
             part.close()
-        raise PullError(str(e)) from None
-    except OSError as e:
-        for part in partials.values():
-            part.close()
-        if e.errno in (28, 122):      # ENOSPC, EDQUOT
-            raise PullError(f"no space left in the store {store.root} for {m.model}/{m.version} "
-                            f"({m.size} bytes): free space (or evict old versions) and pull "
-                            "again; verified pieces are kept") from None
+        if isinstance(e, PartialBusy):
+            raise PullError(str(e)) from None
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFull(f"no space left in the store {store.root} for {m.model}/{m.version} "
+                            f"({format_size(m.size)}): {FREE_SPACE_HINT}") from None
         raise
-    files = {fp.sha256: FileState(fp.sha256, fp.size, fp.paths[0], fp.pieces,
-                                  partials[fp.sha256], len(fp.copies) + len(fp.fetch))
+    files = {fp.blob: FileState(fp.blob, distinct[fp.blob][0].sha256, fp.size, fp.paths[0],
+                                fp.pieces, partials[fp.blob], len(fp.copies) + len(fp.fetch))
              for fp in p.files}
-    copies = [(fp.sha256, c) for fp in p.files for c in fp.copies]
+    copies = [(fp.blob, c) for fp in p.files for c in fp.copies]
     streams = max(1, options.streams)
     # About 8 requests per stream, and single pieces at the end, so that the streams finish
     # together rather than one of them finishing a long request alone.
@@ -276,7 +300,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
             try:
                 progress(PullProgress(
                     m.model, m.version, event, p.bytes_total, base_done + verified, fetched,
-                    reused, rate, busy, len(p.present) + landed, len(first), now - started,
+                    reused, rate, busy, len(p.present) + landed, len(distinct), now - started,
                     path))
             except Exception:
                 # Progress is for show: a display that fails must not fail the pull.
@@ -290,10 +314,10 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     finally:
         for part in partials.values():
             part.close()
-    for sha in first:
-        if not store.has_blob(sha):
+    for bid, (f, _) in distinct.items():
+        if not store.has_blob(bid, f.size):
             raise PullStopped("pull stopped before every file landed") if stop.is_set() \
-                else PullError(f"{first[sha]} did not land in the store (internal error)")
+                else PullError(f"{f.path} did not land in the store (internal error)")
     try:
         path = store.publish(m, raw, wall_clock())
     except OSError as e:
@@ -304,6 +328,23 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
              transfer.fetched, transfer.reused)
     return PullResult(m.model, m.version, transfer.fetched, transfer.reused, p.bytes_total,
                       len(m.files), clock() - started, path)
+
+
+def _reserve(store: Store, m: Manifest, partials: Sequence[Partial], now: float) -> None:
+    """Preallocate every partial file of the pull, or none: the free space is checked first
+    (a manifest claiming more than the disk holds takes nothing), after giving back the space
+    of partial files that no pull holds and this one doesn't want."""
+    need = sum(part.unallocated() for part in partials)
+    if need > store.free_bytes():
+        wanted = {part.name for part in partials}
+        store.clean(now, wanted=wanted.__contains__)
+        free = store.free_bytes()
+        if need > free:
+            raise StoreFull(f"no space left in the store {store.root} for {m.model}/"
+                            f"{m.version}: it needs {format_size(need)} more, "
+                            f"{format_size(free)} are free; {FREE_SPACE_HINT}")
+    for part in partials:
+        part.preallocate()
 
 
 def published_at(sources: Sequence[Source], model: str, version: str,

@@ -1,8 +1,9 @@
 """What a pull has to do: a pure function of the manifest and what the store already holds.
 
-For every distinct file (two paths with one sha256 are one file):
+For every distinct file (two paths with the same pieces are one file, named by its blob id: see
+``agent.blob_id``):
 
-* its sha256 is already a blob: nothing to do;
+* its blob is already in the store, with the file's size: nothing to do;
 * otherwise each piece is either already in the file's partial (its journal says so), present in a
   local blob at some offset (copied locally, never fetched), or fetched.
 
@@ -13,22 +14,23 @@ streams work through one file together and files complete (and free their partia
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from agent.manifest import Manifest, Piece
+from agent.blob_id import blob_id
+from agent.manifest import FileEntry, Manifest, Piece
 
 
 @dataclass(frozen=True)
 class Copy:
     piece: Piece
-    blob: str             # sha256 of the local blob holding the same bytes
+    blob: str             # name of the local blob holding the same bytes
     blob_offset: int
 
 
 @dataclass(frozen=True)
 class FilePlan:
-    sha256: str
+    blob: str                      # the file's blob id: where it lands, what its partial is called
     size: int
     paths: tuple[str, ...]
     pieces: tuple[Piece, ...]
@@ -52,7 +54,7 @@ class FilePlan:
 @dataclass(frozen=True)
 class Plan:
     files: tuple[FilePlan, ...]     # files that need work
-    present: tuple[str, ...]        # sha256 of files already in blobs/
+    present: tuple[str, ...]        # blob ids of files already in blobs/
     bytes_total: int                # distinct files' bytes
     bytes_present: int
 
@@ -71,7 +73,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Request:
-    sha256: str                    # the file
+    blob: str                      # the file's blob id
     pieces: tuple[Piece, ...]      # consecutive
 
     @property
@@ -83,34 +85,42 @@ class Request:
         return sum(p.size for p in self.pieces)
 
 
-def plan(manifest: Manifest, blobs: Collection[str],
+def distinct_files(manifest: Manifest) -> dict[str, tuple[FileEntry, tuple[str, ...]]]:
+    """blob id -> (the first entry with those pieces, every path that has them), in order."""
+    firsts: dict[str, FileEntry] = {}
+    paths: dict[str, list[str]] = {}
+    for f in manifest.files:
+        bid = blob_id(f)
+        firsts.setdefault(bid, f)
+        paths.setdefault(bid, []).append(f.path)
+    return {bid: (f, tuple(paths[bid])) for bid, f in firsts.items()}
+
+
+def plan(manifest: Manifest, blobs: Mapping[str, int],
          piece_index: Mapping[str, tuple[str, int]],
          journals: Mapping[str, Mapping[int, tuple[int, str]]]) -> Plan:
-    paths: dict[str, list[str]] = {}
-    firsts = {}
-    for f in manifest.files:
-        paths.setdefault(f.sha256, []).append(f.path)
-        firsts.setdefault(f.sha256, f)
+    """``blobs``: blob id -> size of the blobs in the store; one of another size than the file
+    is not the file (a blob damaged or cut short) and is fetched anew."""
     files, present = [], []
     total = present_bytes = 0
-    for sha, f in firsts.items():
+    for bid, (f, paths) in distinct_files(manifest).items():
         total += f.size
-        if sha in blobs:
-            present.append(sha)
+        if blobs.get(bid) == f.size:
+            present.append(bid)
             present_bytes += f.size
             continue
-        journal = journals.get(sha, {})
+        journal = journals.get(bid, {})
         done, copies, fetch = [], [], []
         for p in f.pieces:
             if journal.get(p.offset) == (p.size, p.sha256):
                 done.append(p)
-            elif p.sha256 in piece_index and piece_index[p.sha256][0] != sha:
+            elif p.sha256 in piece_index and piece_index[p.sha256][0] != bid:
                 blob, blob_offset = piece_index[p.sha256]
                 copies.append(Copy(p, blob, blob_offset))
             else:
                 fetch.append(p)
-        files.append(FilePlan(sha, f.size, tuple(paths[sha]), f.pieces, tuple(done),
-                              tuple(copies), tuple(fetch)))
+        files.append(FilePlan(bid, f.size, paths, f.pieces, tuple(done), tuple(copies),
+                              tuple(fetch)))
     return Plan(tuple(files), tuple(present), total, present_bytes)
 
 
@@ -120,18 +130,20 @@ def requests_for(p: Plan, request_size: int, tail: int = 0) -> list[Request]:
     The last ``tail`` pieces go one per request, so the streams run out of work together
     instead of one stream finishing a long request alone.
     """
-    pieces = [(f.sha256, piece) for f in p.files for piece in f.fetch]
+    pieces = [(f.blob, piece) for f in p.files for piece in f.fetch]
     cut = max(0, len(pieces) - tail)
     out: list[Request] = []
     run: list[Piece] = []
-    run_sha = ""
-    for i, (sha, piece) in enumerate(pieces):
-        if run and (sha != run_sha or i >= cut or run[-1].offset + run[-1].size != piece.offset
-                    or sum(x.size for x in run) + piece.size > request_size):
-            out.append(Request(run_sha, tuple(run)))
-            run = []
+    run_blob = ""
+    run_size = 0            # kept as it grows: a run may hold thousands of small pieces
+    for i, (blob, piece) in enumerate(pieces):
+        if run and (blob != run_blob or i >= cut or run[-1].offset + run[-1].size != piece.offset
+                    or run_size + piece.size > request_size):
+            out.append(Request(run_blob, tuple(run)))
+            run, run_size = [], 0
         run.append(piece)
-        run_sha = sha
+        run_size += piece.size
+        run_blob = blob
     if run:
-        out.append(Request(run_sha, tuple(run)))
+        out.append(Request(run_blob, tuple(run)))
     return out

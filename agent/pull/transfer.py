@@ -57,6 +57,13 @@ class PullError(Exception):
     """A pull that failed; the message says why and what to do. Verified pieces are kept."""
 
 
+class StoreFull(PullError):
+    """The store's file system is full: the pull gave back what it could and failed."""
+
+
+FREE_SPACE_HINT = "free space (or evict old versions) and pull again; verified pieces are kept"
+
+
 class PullStopped(PullError):
     """The pull was asked to stop; partial files are kept for the next pull."""
 
@@ -67,7 +74,8 @@ class _Stale(Exception):
 
 @dataclass
 class FileState:
-    sha256: str
+    blob: str                       # its blob id (agent.blob_id): the key of files and requests
+    sha256: str                     # the publisher's claim, checked only with verify_files
     size: int
     path: str                       # the first manifest path with this content, for URLs
     pieces: tuple[Piece, ...]
@@ -196,7 +204,7 @@ class Transfer:
                 return None
             self.active += 1
             req = self.queue.popleft()
-            return req, self.files[req.sha256].generation
+            return req, self.files[req.blob].generation
 
     def _release(self) -> None:
         with self.cond:
@@ -253,7 +261,7 @@ class Transfer:
                     c.piece.size, f.path)
         with self.cond:
             if f.generation == generation:
-                self.queue.append(Request(f.sha256, (c.piece,)))
+                self.queue.append(Request(f.blob, (c.piece,)))
                 self.cond.notify_all()
 
     def _wrote(self, f: FileState, generation: int) -> None:
@@ -276,7 +284,7 @@ class Transfer:
                 except CredentialsError as e:
                     self._fail(PullError(str(e)))
                 except OSError as e:
-                    self._fail(self._os_error(e, self.files[req.sha256].path))
+                    self._fail(self._os_error(e, self.files[req.blob].path))
                 except Exception as e:  # a bug must fail the pull, not hang it
                     log.exception("pull stream %d", index)
                     self._fail(PullError(f"internal error in stream {index}: {e!r}"))
@@ -288,8 +296,9 @@ class Transfer:
 
     def _fetch(self, req: Request, generation: int, clients: dict[int, Client],
                preferred: int) -> int:
-        f = self.files[req.sha256]
-        pieces = list(req.pieces)
+        f = self.files[req.blob]
+        # Landed pieces leave from the front: a deque, as a request may hold thousands.
+        pieces = collections.deque(req.pieces)
         failures: list[str] = []
         rounds = 0
         while pieces:
@@ -338,7 +347,7 @@ class Transfer:
                 return preferred
         return preferred
 
-    def _fetch_from(self, si: int, client: Client, f: FileState, pieces: list[Piece],
+    def _fetch_from(self, si: int, client: Client, f: FileState, pieces: collections.deque[Piece],
                     generation: int) -> None:
         source = self.sources[si]
         offset = pieces[0].offset
@@ -370,7 +379,7 @@ class Transfer:
             body.close()
 
     def _receive(self, url: str, f: FileState, body: Generator[memoryview, None, None],
-                 pieces: list[Piece], pos: int, generation: int) -> None:
+                 pieces: collections.deque[Piece], pos: int, generation: int) -> None:
         piece = pieces[0]
         h = hashlib.sha256()
         left = piece.size
@@ -401,7 +410,7 @@ class Transfer:
                                      "their sha256 in the manifest")
                 f.partial.sync()
                 self._piece_done(f, piece, generation)
-                pieces.pop(0)
+                pieces.popleft()
                 if pieces:
                     piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
             if self.stop.is_set() or self.error is not None:
@@ -414,7 +423,7 @@ class Transfer:
             if f.generation != generation:
                 return                    # another stream restarted it already
             f.generation += 1
-            others = [r for r in self.queue if r.sha256 != f.sha256]
+            others = [r for r in self.queue if r.blob != f.blob]
             self.queue.clear()
             self.queue.extend(others)
             while f.writers:              # old bytes still being written: let them land first
@@ -422,7 +431,7 @@ class Transfer:
             self.verified -= sum(s for s, _ in f.partial.done.values())
             f.partial.discard()
             f.remaining = len(f.pieces)
-            self.queue.extendleft(reversed([Request(f.sha256, (p,)) for p in f.pieces]))
+            self.queue.extendleft(reversed([Request(f.blob, (p,)) for p in f.pieces]))
             self.cond.notify_all()
 
     def _piece_done(self, f: FileState, piece: Piece, generation: int) -> None:
@@ -453,7 +462,7 @@ class Transfer:
         # The journal goes only once the file is a blob: a crash in between leaves either a
         # resumable partial (all pieces journaled) or a blob and a stale journal, never a
         # complete part file without its journal (which would be fetched again in full).
-        self.store.add_blob(part, f.sha256)
+        self.store.add_blob(part, f.blob, f.size)
         f.partial.drop_journal()
         with self.cond:
             self.files_done += 1
@@ -462,9 +471,8 @@ class Transfer:
 
     def _os_error(self, e: OSError, what: str) -> PullError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return PullError(f"no space left in the store {self.store.root} while writing {what}: "
-                             "free space (or evict old versions) and pull again; verified pieces "
-                             "are kept")
+            return StoreFull(f"no space left in the store {self.store.root} while writing "
+                             f"{what}: {FREE_SPACE_HINT}")
         return PullError(f"{what}: {e.strerror or e} ({e.filename or self.store.root})")
 
 

@@ -1,5 +1,6 @@
 """The control socket as deployed: mode 0660, and commands that change anything (reload, pause,
-resume) only for root or the service's user, checked with SO_PEERCRED."""
+resume) only for root or the service's user, checked with SO_PEERCRED; a socket another user
+could have replaced is neither served by `wagent run` nor believed by `wagent reload`/`pause`."""
 
 import os
 import shutil
@@ -13,6 +14,7 @@ import pytest
 
 from tests.daemon_helpers import (
     ROOT,
+    Impostor,
     start_daemon,
     stop_daemon,
     wagent,
@@ -108,3 +110,51 @@ def test_a_second_daemon_refuses_before_touching_anything(daemon_dir):
 def test_state_and_store_dirs_are_created_with_safe_modes(daemon_dir):
     assert stat.S_IMODE(os.stat(daemon_dir / "state").st_mode) == 0o750
     assert stat.S_IMODE(os.stat(daemon_dir / "store").st_mode) == 0o755
+
+
+@pytest.fixture
+def open_base():
+    """A root-owned 0755 directory nobody can reach, for directories others can write."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make directories another user owns")
+    d = Path(tempfile.mkdtemp(prefix="wagent-ctl-"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("uid", "mode"), [(65534, 0o755), (0, 0o1777), (0, 0o777)],
+                         ids=["owned-by-nobody", "sticky-tmp-like", "world-writable"])
+def test_run_refuses_a_socket_dir_others_can_write(open_base, uid, mode):
+    """`wagent run` exits 1 naming the directory, before it makes its store or state or a
+    socket, and before it would apply shaping."""
+    run = open_base / "run"
+    run.mkdir()
+    os.chown(run, uid, uid)
+    run.chmod(mode)
+    policy = write_policy(open_base / "policy.yaml", open_base,
+                          control={"socket": str(run / "control.sock")})
+    res = wagent("run", "--policy", str(policy), timeout=30)
+    assert res.returncode == 1, res.stderr
+    assert "refusing to start" in res.stderr and f"{run} is " in res.stderr, res.stderr
+    assert list(run.iterdir()) == []
+    assert not (open_base / "store").exists() and not (open_base / "state").exists()
+
+
+@pytest.mark.parametrize("cmd", ["reload", "pause", "resume"])
+def test_root_is_not_told_success_by_an_impostor(open_base, cmd):
+    """nobody swapped the daemon's socket while its directory was theirs; the directory is
+    root's again, but the socket in it is nobody's: root's `wagent reload` and `pause` fail
+    (exit 1), nothing is printed on stdout, and the request never reaches the impostor."""
+    run = open_base / "run"
+    run.mkdir()
+    os.chown(run, 65534, 65534)
+    with Impostor(run / "control.sock") as impostor:
+        os.chown(run, 0, 0)
+        res = wagent(cmd, "--socket", str(run / "control.sock"))
+        assert res.returncode == 1, res
+        assert res.stdout == ""
+        assert "served by uid 65534" in res.stderr, res.stderr
+        assert impostor.heard() == []

@@ -1,6 +1,5 @@
 """Pulls against real servers on loopback: nginx, and a ranged server with deliberate faults."""
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from tests import modelgen
 from tests.pull_helpers import (
     FaultyServer,
     LoopbackNginx,
+    blob_of,
     publish,
     publish_dir,
     same_files,
@@ -38,7 +38,7 @@ def origin(tmp_path_factory):
 
 def shard_blobs_absent(store: Store, version_dir: Path) -> None:
     for f in version_dir.glob("*.safetensors"):
-        assert not store.has_blob(hashlib.sha256(f.read_bytes()).hexdigest())
+        assert not store.has_blob(blob_of(version_dir, f.name))
     assert not store.version_dir("m", version_dir.name).exists()
 
 
@@ -103,8 +103,7 @@ def test_etag_change_mid_pull_restarts_the_file_never_mixing(origin, tmp_path):
             pull_version([Source(bad.url)], "m", "v1", store, options=one_piece)
         statuses = [s for p, r, s in bad.requests if p.endswith(shard)]
         assert statuses[:2] == [206, 200]          # the second carried If-Range: refused
-    sha = hashlib.sha256((origin / "m" / "v1" / shard).read_bytes()).hexdigest()
-    journal = (store.partial / f"{sha}.journal").read_text()
+    journal = (store.partial / f"{blob_of(origin / 'm' / 'v1', shard)}.journal").read_text()
     assert "piece" not in journal                        # the partial was discarded
     with FaultyServer(origin, "etag_change", fault_on=shard, after=1, times=1) as bad, \
             LoopbackNginx(origin) as good:

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import threading
+from collections import deque
 
 import pytest
 
@@ -28,8 +29,8 @@ def transfer(tmp_path):
     store.ensure()
     part = Partial(store.partial, sha(GOOD), len(GOOD), durable=False)
     part.preallocate()
-    f = FileState(sha(GOOD), len(GOOD), "f.bin", PIECES, part, remaining=2)
-    t = Transfer([Source("http://127.0.0.1:9")], store, {f.sha256: f}, [], [],
+    f = FileState(sha(GOOD), sha(GOOD), len(GOOD), "f.bin", PIECES, part, remaining=2)
+    t = Transfer([Source("http://127.0.0.1:9")], store, {f.blob: f}, [], [],
                  Settings("m", "v1", 1, 16, 4, Timeouts(), 0, 0.01, 0.01, False),
                  None, threading.Event(), on_file=lambda f, n: None)
     yield t, f
@@ -52,7 +53,7 @@ def test_a_stream_of_a_restarted_file_never_writes_over_a_verified_piece(transfe
 
     def stale():
         try:
-            t._receive("u", f, stale_body(), [PIECES[0]], 0, 0)
+            t._receive("u", f, stale_body(), deque([PIECES[0]]), 0, 0)
             outcome.append("done")
         except (_Stale, FetchError) as e:
             outcome.append(type(e).__name__)
@@ -61,7 +62,7 @@ def test_a_stream_of_a_restarted_file_never_writes_over_a_verified_piece(transfe
     th.start()
     assert first_written.wait(5)
     t._restart_file(f, 0, 0)                               # generation 0 -> 1
-    t._receive("u", f, iter([memoryview(GOOD[:8])]), [PIECES[0]], 0, 1)
+    t._receive("u", f, iter([memoryview(GOOD[:8])]), deque([PIECES[0]]), 0, 1)
     assert f.partial.done == {0: (8, PIECES[0].sha256)}
     go.set()
     th.join(5)
@@ -121,9 +122,9 @@ def test_finish_keeps_the_journal_until_the_file_is_a_blob(tmp_path):
 def test_a_request_taken_just_before_a_restart_belongs_to_the_old_generation(transfer):
     from agent.pull.plan import Request
     t, f = transfer
-    t.queue.append(Request(f.sha256, (PIECES[0],)))
+    t.queue.append(Request(f.blob, (PIECES[0],)))
     req, generation = t._next()
     t._restart_file(f, 0, 0)               # lands between taking the request and using it
     with pytest.raises(_Stale):
-        t._receive("u", f, iter([memoryview(b"BBBB")]), list(req.pieces), 0, generation)
+        t._receive("u", f, iter([memoryview(b"BBBB")]), deque(req.pieces), 0, generation)
     assert os.pread(f.partial.fd, 4, 0) != b"BBBB"

@@ -4,21 +4,31 @@ import os
 
 import pytest
 
+from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece, to_json
 from agent.store import Store, StoreError
+
+
+def entry(path, data):
+    sha = hashlib.sha256(data).hexdigest()
+    return FileEntry(path, len(data), sha, (Piece(0, len(data), sha),) if data else ())
+
+
+def bid(data):
+    """The blob id of ``data`` as a file of one piece."""
+    return blob_id(entry("x", data))
 
 
 def put_version(store, model, version, files, published="2026-12-02T11:00:00Z", now=0.0):
     """Install a version the way a pull does: blobs first, then publish."""
     entries = []
     for path, data in files.items():
-        sha = hashlib.sha256(data).hexdigest()
-        if not store.has_blob(sha):
-            tmp = store.partial / f"{sha}.part"
+        e = entry(path, data)
+        if not store.has_blob(blob_id(e)):
+            tmp = store.partial / f"{blob_id(e)}.part"
             tmp.write_bytes(data)
-            store.add_blob(tmp, sha)
-        entries.append(FileEntry(path, len(data), sha, (Piece(0, len(data), sha),)
-                                 if data else ()))
+            store.add_blob(tmp, blob_id(e), len(data))
+        entries.append(e)
     m = Manifest(model, version, published, tuple(entries))
     return store.publish(m, to_json(m), now)
 
@@ -45,12 +55,12 @@ def test_publish_builds_relative_symlinks_and_keeps_manifest(store):
 def test_piece_index_points_into_blobs(store):
     put_version(store, "m", "v1", {"x": b"abc"})
     sha = hashlib.sha256(b"abc").hexdigest()
-    assert store.piece_index() == {sha: (sha, 0)}
+    assert store.piece_index() == {sha: (bid(b"abc"), 0)}
 
 
 def test_missing_blob_means_not_installed(store):
     put_version(store, "m", "v1", {"x": b"abc"})
-    os.unlink(store.blob_path(hashlib.sha256(b"abc").hexdigest()))
+    os.unlink(store.blob_path(bid(b"abc")))
     assert store.installed("m", "v1") is None
 
 
@@ -75,7 +85,7 @@ def test_evict_removes_versions_and_blobs_and_reports(store):
     before = store.usage()
     removed = store.evict(keep=1, pins={"m": ["v1"]}, max_size=None, now=10)
     assert [(r.kind, r.name) for r in removed] == [
-        ("version", "m/v2"), ("blob", hashlib.sha256(b"mid").hexdigest())]
+        ("version", "m/v2"), ("blob", bid(b"mid"))]
     assert [v.version for v in store.versions("m")] == ["v3", "v1"]
     assert store.usage() < before
     assert store.installed("m", "v1") and store.installed("m", "v3")
@@ -141,7 +151,7 @@ def test_evict_cleans_what_crashes_leave(store):
     (store.model_dir("m") / ".tmp-v2-12345678" / "f").write_text("x")
     (store.model_dir("m") / ".trash-v0-12345678").mkdir()
     (store.root / ".usage.tmp-12345678").write_text("{}")
-    landed = hashlib.sha256(b"a").hexdigest()
+    landed = bid(b"a")
     (store.partial / f"{landed}.journal").write_text("stale")      # crash after the move
     old, fresh = "1" * 64, "2" * 64
     for sha, mtime in ((old, 1000.0), (fresh, 99_000.0)):
@@ -158,14 +168,14 @@ def test_evict_cleans_what_crashes_leave(store):
 
 def test_evict_keeps_the_blobs_of_a_kept_version_that_lost_one(store):
     put_version(store, "m", "v1", {"x": b"a", "y": b"b"}, "2026-01-01T00:00:00Z")
-    os.unlink(store.blob_path(hashlib.sha256(b"b").hexdigest()))
+    os.unlink(store.blob_path(bid(b"b")))
     assert store.installed("m", "v1") is None
     assert store.evict(keep=1, pins={}, max_size=None, now=10) == []
-    assert store.has_blob(hashlib.sha256(b"a").hexdigest())
+    assert store.has_blob(bid(b"a"))
 
 
 def test_a_symlink_in_blobs_is_not_a_blob(store, tmp_path):
     target = tmp_path / "t"
     target.write_bytes(b"a")
-    os.symlink(target, store.blob_path(hashlib.sha256(b"a").hexdigest()))
-    assert store.blob_shas() == set()
+    os.symlink(target, store.blob_path(bid(b"a")))
+    assert store.blob_sizes() == {}
