@@ -105,3 +105,35 @@ def test_a_recreated_interface_gets_its_caps_back(testbed):
         node.proc.send_signal(signal.SIGTERM)
         node.proc.wait(10)
         print(Path(node.proc.log_path).read_text()[-3000:])
+
+
+def test_a_reload_moving_the_socket_into_an_unsafe_directory_is_refused(testbed, tmp_path):
+    """Checked before anything changes: the old socket keeps answering, the old policy stays."""
+    import os
+    tb = testbed
+    h = tb.host("node")
+    peer = tb.host("peer")
+    link = tb.connect(peer, h)
+    d = tb.tmpdir("node")
+    node = Node("node", "inf-1", h, link.b.ifname, d, d / "policy.yaml")
+    pol = node_policy(node, ["http://192.0.2.1:8080"], role_hosts=ROLES)
+    node.policy.write_text(yaml.safe_dump(pol))
+    start(node)
+    try:
+        deadline = time.monotonic() + 30
+        while status(node)[0] not in (0, 1) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        unsafe = tmp_path / "anyone-writes"
+        unsafe.mkdir()
+        os.chmod(unsafe, 0o777)
+        pol["control"]["socket"] = str(unsafe / "control.sock")
+        node.policy.write_text(yaml.safe_dump(pol))
+        r = reload(node)
+        assert r.returncode != 0 and str(unsafe) in r.stdout + r.stderr, r
+        code, doc = status(node)
+        assert code == 1 and str(unsafe) in doc["policy"]["last_error"]
+        assert not (unsafe / "control.sock").exists()
+    finally:
+        node.proc.send_signal(signal.SIGTERM)
+        node.proc.wait(10)
+        print(Path(node.proc.log_path).read_text()[-3000:])
