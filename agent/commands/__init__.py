@@ -3,3 +3,32 @@
 ``func(args) -> int`` returns the exit code: 0 success, 1 a failure the command reports,
 2 a usage error (argparse's own), 3 for ``status`` when the daemon is not running.
 """
+from __future__ import annotations
+
+import argparse
+import os
+
+from agent.policy import PolicyError, load_policy
+
+DEFAULT_POLICY = "/etc/wagent/policy.yaml"
+DEFAULT_STORE = "/var/cache/wagent"
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="DIR",
+                   help="the store (default: the policy's, else " + DEFAULT_STORE + ")")
+    p.add_argument("--policy", default=DEFAULT_POLICY, metavar="PATH",
+                   help=f"the policy whose store is meant (default {DEFAULT_POLICY})")
+
+
+def store_root(args: argparse.Namespace) -> str:
+    """``--store``, else the store of the policy (when it exists and loads), else the default:
+    the commands that read a store need no daemon, nor a valid policy."""
+    if args.store:
+        return str(args.store)
+    if os.path.exists(args.policy):
+        try:
+            return load_policy(args.policy).store.path
+        except PolicyError:
+            pass
+    return DEFAULT_STORE

@@ -221,8 +221,8 @@ def _open_locked(path: Path, busy: str) -> int:
         os.close(fd)
 
 
-def clean(directory: Path, now: float, stale: Callable[[str, float], bool]
-          ) -> list[tuple[str, int]]:
+def clean(directory: Path, now: float, stale: Callable[[str, float], bool],
+          dry_run: bool = False) -> list[tuple[str, int]]:
     """Remove the partial files nobody is pulling for which ``stale(name, idle seconds)``
     holds; returns (name, bytes freed) for each. A file a pull holds is never touched."""
     by_name: dict[str, list[str]] = {}
@@ -252,10 +252,12 @@ def clean(directory: Path, now: float, stale: Callable[[str, float], bool]
             idle = now - max((st.st_mtime for st in stats), default=now)
             if not stale(name, idle):
                 continue
+            removed.append((name, sum(st.st_blocks * 512 for st in stats)))
+            if dry_run:
+                continue
             for fn in (f"{name}.part", f"{name}.journal"):    # the lock's file last
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(directory / fn)
-            removed.append((name, sum(st.st_blocks * 512 for st in stats)))
         finally:
             if jfd >= 0:
                 os.close(jfd)

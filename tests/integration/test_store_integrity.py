@@ -17,7 +17,7 @@ from agent import manifest
 from agent.policy_model import Source
 from agent.pull.engine import PullError, PullOptions, StoreFull, pull_version
 from agent.pull.journal import Partial
-from agent.store import Store
+from agent.store import Store, space
 from tests.pull_helpers import LoopbackNginx, blob_of, publish, publish_dir, same_files
 
 pytestmark = pytest.mark.debian
@@ -74,7 +74,7 @@ def test_a_manifest_claiming_a_real_files_sha256_never_lends_it_its_bytes(origin
         same_files(r.path, origin / "m" / "v1")
         assert r.bytes_fetched > 0
         shutil.rmtree(store.models / "m")
-        store.evict(keep={"evil": 0, "m": 0}, pins={}, max_size=None, now=time.time())
+        space.evict(store, keep={"evil": 0, "m": 0}, pins={}, max_size=None, now=time.time())
         r = pull_version([Source(ng.url)], "m", "v1", store, options=opts)
     same_files(r.path, origin / "m" / "v1")
 

@@ -6,7 +6,7 @@ import pytest
 
 from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece, to_json
-from agent.store import Store, StoreError
+from agent.store import Store, StoreError, space
 
 
 def entry(path, data):
@@ -83,7 +83,7 @@ def test_evict_removes_versions_and_blobs_and_reports(store):
     put_version(store, "m", "v2", {"x": b"mid", "s": b"shared"}, "2026-02-01T00:00:00Z", now=2)
     put_version(store, "m", "v3", {"x": b"new", "s": b"shared"}, "2026-03-01T00:00:00Z", now=3)
     before = store.usage()
-    removed = store.evict(keep=1, pins={"m": ["v1"]}, max_size=None, now=10)
+    removed = space.evict(store, keep=1, pins={"m": ["v1"]}, max_size=None, now=10)
     assert [(r.kind, r.name) for r in removed] == [
         ("version", "m/v2"), ("blob", bid(b"mid"))]
     assert [v.version for v in store.versions("m")] == ["v3", "v1"]
@@ -95,8 +95,8 @@ def test_evict_is_deferred_while_a_pull_holds_the_store(store):
     put_version(store, "m", "v1", {"x": b"a"}, "2026-01-01T00:00:00Z")
     put_version(store, "m", "v2", {"x": b"b"}, "2026-02-01T00:00:00Z")
     with store.pull_lock():
-        assert store.evict(keep=1, pins={}, max_size=None, now=10) == []
-    assert len(store.evict(keep=1, pins={}, max_size=None, now=10)) == 2
+        assert space.evict(store, keep=1, pins={}, max_size=None, now=10) == []
+    assert len(space.evict(store, keep=1, pins={}, max_size=None, now=10)) == 2
 
 
 def test_touch_orders_lru(store):
@@ -158,8 +158,11 @@ def test_evict_cleans_what_crashes_leave(store):
         for ext in ("part", "journal"):
             (store.partial / f"{sha}.{ext}").write_bytes(b"x")
             os.utime(store.partial / f"{sha}.{ext}", (mtime, mtime))
-    removed = store.evict(keep=1, pins={}, max_size=None, now=100_000.0, partial_after=50_000)
-    assert {(r.kind, r.name) for r in removed} == {("partial", landed), ("partial", old)}
+    removed = space.evict(store, keep=1, pins={}, max_size=None, now=100_000.0,
+                          partial_after=50_000)
+    assert {(r.kind, r.name) for r in removed} == {
+        ("partial", landed), ("partial", old), ("leftover", "models/m/.tmp-v2-12345678"),
+        ("leftover", "models/m/.trash-v0-12345678"), ("leftover", ".usage.tmp-12345678")}
     assert sorted(os.listdir(store.partial)) == [f"{fresh}.journal", f"{fresh}.part"]
     assert os.listdir(store.model_dir("m")) == ["v1"]
     assert not (store.root / ".usage.tmp-12345678").exists()
@@ -170,7 +173,7 @@ def test_evict_keeps_the_blobs_of_a_kept_version_that_lost_one(store):
     put_version(store, "m", "v1", {"x": b"a", "y": b"b"}, "2026-01-01T00:00:00Z")
     os.unlink(store.blob_path(bid(b"b")))
     assert store.installed("m", "v1") is None
-    assert store.evict(keep=1, pins={}, max_size=None, now=10) == []
+    assert space.evict(store, keep=1, pins={}, max_size=None, now=10) == []
     assert store.has_blob(bid(b"a"))
 
 

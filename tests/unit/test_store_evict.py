@@ -1,4 +1,4 @@
-from agent.evict import VersionUse, choose
+from agent.store.evict import VersionUse, choose
 
 
 def v(model, version, published, last_used, *blobs):

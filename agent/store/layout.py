@@ -22,8 +22,7 @@ links to it, and a version directory is fsynced, with everything in it, before i
 place and its parent fsynced, so after a power cut a version is either absent or complete.
 
 What a crash can leave (a ``.tmp-`` or ``.trash-`` directory, a partial file nobody resumes, a
-journal whose file already landed) is cleaned up by ``clean`` (at the start of every pull, and
-when the disk is full) and by ``evict``; both run only while no pull holds the store.
+journal whose file already landed) is cleaned up by ``agent.store.space``.
 """
 
 from __future__ import annotations
@@ -38,21 +37,20 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent import evict as evict_choice
 from agent.blob_id import blob_id
 from agent.durable import fsync_dir
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError, check_name, parse, published_ts
-from agent.pull import journal
 
 log = logging.getLogger(__name__)
-PARTIAL_AFTER = 7 * 86400.0     # a partial file no pull advanced for a week is dropped
 DIR_MODE = 0o755
 FILE_MODE = 0o644
 BLOB_MODE = 0o444
+# Names in a model directory that are no version: the current pointer, a cache's announcement.
+NOT_VERSIONS = frozenset({"current", "latest"})
 _BLOB_NAME = re.compile(r"^[0-9a-f]{64}$")
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -139,14 +137,14 @@ class Store:
         m = self._version_manifest(model, version)
         if m is None:
             return None
-        linked = self._linked_blobs(m)
+        linked = self.linked_blobs(m)
         for f in m.files:
             bid = blob_id(f)
             if linked.get(f.path) != bid or not self.has_blob(bid, f.size):
                 return None
         return m
 
-    def _linked_blobs(self, m: Manifest) -> dict[str, str]:
+    def linked_blobs(self, m: Manifest) -> dict[str, str]:
         """path -> the blob its symlink names, for every file of a version whose link is one
         of ours (relative, into blobs/, no symlinked directory on the way)."""
         out = {}
@@ -212,7 +210,7 @@ class Store:
 
     def versions(self, model: str) -> list[VersionInfo]:
         """Installed versions of ``model``, newest published first."""
-        usage = self._read_usage()
+        usage = self.read_usage()
         out = []
         for version in self._version_names(model):
             m = self.installed(model, version)
@@ -220,17 +218,18 @@ class Store:
                 continue
             pub = published_ts(m.published)
             out.append(VersionInfo(model, version, pub, usage.get(f"{model}/{version}", pub),
-                                   _distinct_size(m), self.version_dir(model, version)))
+                                   distinct_size(m), self.version_dir(model, version)))
         out.sort(key=lambda v: (v.published, v.version), reverse=True)
         return out
 
     def _version_names(self, model: str) -> list[str]:
         try:
-            return sorted(n for n in os.listdir(self.model_dir(model)) if not n.startswith("."))
+            return sorted(n for n in os.listdir(self.model_dir(model))
+                          if not n.startswith(".") and n not in NOT_VERSIONS)
         except (FileNotFoundError, NotADirectoryError, ManifestError):
             return []
 
-    def _every_manifest(self) -> list[Manifest]:
+    def every_manifest(self) -> list[Manifest]:
         """Every version with a readable manifest, complete or not."""
         return [m for model in self.model_names() for v in self._version_names(model)
                 if (m := self._version_manifest(model, v)) is not None]
@@ -243,8 +242,8 @@ class Store:
         """
         index: dict[str, tuple[str, int]] = {}
         sizes = self.blob_sizes()
-        for m in self._every_manifest():
-            linked = self._linked_blobs(m)
+        for m in self.every_manifest():
+            linked = self.linked_blobs(m)
             for f in m.files:
                 name = linked.get(f.path)
                 if name is None or sizes.get(name) != f.size:
@@ -329,7 +328,7 @@ class Store:
                     trash = model_dir / f".trash-{m.version}-{uuid.uuid4().hex[:8]}"
                     os.rename(final, trash)
                     os.rename(tmp, final)
-                    _remove(trash)
+                    remove_tree(trash)
             fsync_dir(model_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -340,10 +339,10 @@ class Store:
     def touch(self, model: str, version: str, now: float) -> None:
         """Record that a version was used now (eviction drops least recently used first)."""
         try:
-            with self._usage_lock():
-                usage = self._read_usage()
+            with self.usage_lock():
+                usage = self.read_usage()
                 usage[f"{model}/{version}"] = now
-                self._write_usage(usage)
+                self.write_usage(usage)
         except OSError as e:
             # A full disk must not turn a published version into a failed pull: only the LRU
             # order suffers.
@@ -351,7 +350,7 @@ class Store:
                         version, e.strerror or e)
 
     @contextlib.contextmanager
-    def _usage_lock(self) -> Iterator[None]:
+    def usage_lock(self) -> Iterator[None]:
         """Two pulls may touch at once (both hold the store lock shared): no lost update."""
         fd = _open_lock(self.root / ".usage.lock")
         try:
@@ -360,14 +359,14 @@ class Store:
         finally:
             os.close(fd)
 
-    def _read_usage(self) -> dict[str, float]:
+    def read_usage(self) -> dict[str, float]:
         try:
             data = json.loads(self._usage_file.read_text())
             return {k: float(v) for k, v in data.items()} if isinstance(data, dict) else {}
         except (FileNotFoundError, ValueError, TypeError, AttributeError, RecursionError):
             return {}
 
-    def _write_usage(self, usage: Mapping[str, float]) -> None:
+    def write_usage(self, usage: Mapping[str, float]) -> None:
         # An LRU hint: atomic (a reader never sees half of it), not fsynced.
         tmp = self._usage_file.with_name(f".usage.tmp-{uuid.uuid4().hex[:8]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -405,7 +404,7 @@ class Store:
             os.close(fd)
 
     @contextlib.contextmanager
-    def _exclusive(self) -> Iterator[bool]:
+    def exclusive(self) -> Iterator[bool]:
         """The store lock, exclusive if no pull holds it: yields whether it was had."""
         fd = _open_lock(self.root / ".lock")
         try:
@@ -418,101 +417,8 @@ class Store:
         finally:
             os.close(fd)
 
-    def clean(self, now: float, partial_after: float | None = PARTIAL_AFTER,
-              wanted: Callable[[str], bool] | None = None) -> list[Removed]:
-        """Remove what crashes leave, and partial files nobody is pulling that are stale: idle
-        for ``partial_after`` seconds, or (``wanted`` given, the disk being full) not wanted.
 
-        Partial files are taken one by one under their own lock, so this is safe while other
-        pulls run; the ``.tmp-``/``.trash-`` directories only when no pull holds the store.
-        """
-        if not self.root.is_dir():
-            return []
-        with self._exclusive() as alone:
-            return self._clean(alone, now, partial_after, wanted)
-
-    def _clean(self, alone: bool, now: float, partial_after: float | None,
-               wanted: Callable[[str], bool] | None) -> list[Removed]:
-        if alone:
-            self._clean_dirs()
-        blobs = self.blob_sizes()
-
-        def stale(name: str, idle: float) -> bool:
-            return name in blobs or (partial_after is not None and idle >= partial_after) \
-                or (wanted is not None and not wanted(name))
-
-        return [Removed("partial", name, size)
-                for name, size in journal.clean(self.partial, now, stale)]
-
-    def _clean_dirs(self) -> None:
-        for model in self.model_names():
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError, ManifestError), \
-                    os.scandir(self.model_dir(model)) as it:
-                for e in it:
-                    if e.name.startswith((".tmp-", ".trash-")):
-                        _remove(Path(e.path))
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.root) as it:
-            for e in it:
-                if e.name.startswith(".usage.tmp-"):
-                    _remove(Path(e.path))
-
-    def evict(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
-              max_size: int | None, now: float, evict_after: float | None = None,
-              partial_after: float | None = PARTIAL_AFTER) -> list[Removed]:
-        """Remove what the rules of agent.evict choose; returns what went (nothing if busy).
-
-        Also cleans what crashes leave (``clean``): partial files no pull has advanced for
-        ``partial_after`` seconds go too (a version no longer wanted would otherwise hold its
-        preallocated space for ever).
-        """
-        if not self.root.is_dir():
-            return []
-        with self._exclusive() as alone:
-            if not alone:
-                log.info("store %s busy (a pull is running): eviction deferred", self.root)
-                return []
-            removed = self._clean(True, now, partial_after, None)
-            return removed + self._evict_locked(keep, pins, max_size, now, evict_after)
-
-    def _evict_locked(self, keep: int | Mapping[str, int], pins: Mapping[str, Collection[str]],
-                      max_size: int | None, now: float, evict_after: float | None
-                      ) -> list[Removed]:
-        usage = self._read_usage()
-        uses = []
-        sizes_by_version = {}
-        # Every version with a readable manifest, complete or not: the blobs of a kept version
-        # that lost one of them stay, so pulling it again fetches only what is missing; the
-        # blobs it uses are those its links name (or would name, for a lost one).
-        for m in self._every_manifest():
-            pub = published_ts(m.published)
-            key = f"{m.model}/{m.version}"
-            linked = self._linked_blobs(m)
-            names = frozenset(linked.get(f.path) or blob_id(f) for f in m.files)
-            uses.append(evict_choice.VersionUse(m.model, m.version, pub, usage.get(key, pub),
-                                                names))
-            sizes_by_version[key] = _distinct_size(m)
-        blob_sizes = self.blob_sizes()
-        choice = evict_choice.choose(uses, blob_sizes, keep=keep, pins=pins, max_size=max_size,
-                                     now=now, evict_after=evict_after)
-        removed = []
-        for model, version in choice.versions:
-            d = self.version_dir(model, version)
-            trash = d.with_name(f".trash-{version}-{uuid.uuid4().hex[:8]}")
-            os.rename(d, trash)            # the version disappears at once, then is cleaned up
-            _remove(trash)
-            usage.pop(f"{model}/{version}", None)
-            removed.append(Removed("version", f"{model}/{version}",
-                                   sizes_by_version[f"{model}/{version}"]))
-        for name in choice.blobs:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.blob_path(name))
-                removed.append(Removed("blob", name, blob_sizes[name]))
-        if choice.versions:
-            self._write_usage(usage)
-        return removed
-
-
-def _distinct_size(m: Manifest) -> int:
+def distinct_size(m: Manifest) -> int:
     return sum({blob_id(f): f.size for f in m.files}.values())
 
 
@@ -541,7 +447,7 @@ def _readlink_at(dir_fd: int, rel: str) -> str | None:
             os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     """Remove a file, a symlink (never what it points to) or a directory tree."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,64 @@
+"""`wagent wait MODEL [--version V] [--timeout S]`: block until a version is complete in the store.
+
+For deploy scripts and inference servers' start-up: exit 0 once the version (or, without
+``--version``, the model's current version) is complete, 1 on timeout. It reads the store only
+and needs no daemon: a version directory appears only once complete and durable, so seeing it is
+the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from agent.commands import add_store_arguments, store_root
+from agent.manifest import ManifestError, check_name
+from agent.store import Store, pointers
+from agent.units import UnitError, parse_duration
+
+POLL = 0.5
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("wait", help="wait until a version is complete in the store (exit 0), "
+                                    "or the timeout (exit 1)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model")
+    p.add_argument("--version", help="the version (default: the model's current one)")
+    p.add_argument("--timeout", default=None, metavar="DURATION",
+                   help="give up after this long (e.g. 90s, 15m); default: wait for ever")
+    add_store_arguments(p)
+    p.set_defaults(func=run)
+
+
+def ready(store: Store, model: str, version: str | None) -> str | None:
+    """The complete version that answers the wait, if there is one yet."""
+    if version is None:
+        return pointers.current(store, model)
+    return version if store.installed(model, version) is not None else None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        check_name("model", args.model)
+        if args.version is not None:
+            check_name("version", args.version)
+        timeout = parse_duration(args.timeout) if args.timeout is not None else None
+    except (ManifestError, UnitError) as e:
+        print(f"wagent wait: {e}", file=sys.stderr)
+        return 2
+    store = Store(store_root(args))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        got = ready(store, args.model, args.version)
+        if got is not None:
+            print(store.version_dir(args.model, got))
+            return 0
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            what = args.version or "a current version"
+            print(f"wagent wait: {args.model}: {what} not complete in {store.root} after "
+                  f"{args.timeout}", file=sys.stderr)
+            return 1
+        time.sleep(POLL if left is None else min(POLL, left))

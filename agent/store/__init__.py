@@ -1,0 +1,7 @@
+"""The node's content-addressed store: ``layout`` (the Store: blobs, versions, publishing,
+cleaning), ``evict`` (the pure choice of what leaves), ``pointers`` (the current version and pins),
+``verify`` (re-hashing what is published)."""
+
+from agent.store.layout import Removed, Store, StoreError, VersionInfo
+
+__all__ = ["Removed", "Store", "StoreError", "VersionInfo"]
