@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.manifest import DEFAULT_PIECE_SIZE, ManifestError, build, write
+from agent.manifest import DEFAULT_PIECE_SIZE, ManifestError, build, parse_published, write
 from agent.safetensors_layout import LayoutError
 from agent.units import UnitError, format_rate, format_size, parse_size
 
@@ -30,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--piece-size", default="64MiB", metavar="SIZE",
                    help="fixed pieces of other files and split of big tensors (default 64MiB)")
     b.add_argument("--jobs", type=int, metavar="N", help="hashing threads (default: CPUs)")
+    b.add_argument("--published", metavar="TIME",
+                   help="the version's publication time, which starts every node's stagger "
+                   "clock (RFC 3339 UTC, e.g. 2026-12-02T11:00:00Z; default: now). Give the "
+                   "time the upload will finish when the build runs long before it")
     b.add_argument("-q", "--quiet", action="store_true")
     b.set_defaults(func=run_build)
 
@@ -41,13 +45,25 @@ def run_build(args: argparse.Namespace) -> int:
     except UnitError as e:
         print(f"wagent manifest build: --piece-size: {e}", file=sys.stderr)
         return 2
+    clock = None
+    if args.published is not None:
+        try:
+            published = parse_published(args.published)
+        except ManifestError as e:
+            print(f"wagent manifest build: --published: {e}", file=sys.stderr)
+            return 2
+        clock = lambda: published  # noqa: E731
     if not directory.is_dir():
         print(f"wagent manifest build: {directory} is not a directory", file=sys.stderr)
         return 1
     started = time.monotonic()
     try:
         m = build(directory, args.model, args.model_version, piece_size=piece_size,
-                  jobs=args.jobs)
+                  jobs=args.jobs, clock=clock)
+        if not m.files:
+            print(f"wagent manifest build: {directory} holds no file to publish",
+                  file=sys.stderr)
+            return 1
         path = write(directory, m)
     except (ManifestError, LayoutError) as e:
         print(f"wagent manifest build: {e}", file=sys.stderr)
