@@ -1,21 +1,24 @@
 """The ``wagent`` command line: parses arguments and hands off to one module per subcommand.
 
 Exit codes (stable, documented in wagent(8)): 0 success, 1 a failure the command reports,
-2 a usage error or a command that is not implemented yet, 3 ``status`` with no daemon running.
+2 a usage error or a command that is not implemented yet, 3 ``status`` with no daemon running;
+141 when the reader of its output went away (``wagent status | head -1``), as for SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
+import os
 import sys
 
-from agent import __version__
+from agent import __version__, logs
+
+EXIT_BROKEN_PIPE = 141              # 128 + SIGPIPE, as the shell reports a command killed by it
 
 # Order is the order of `wagent --help`.
 SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "pull",
-               "shaping", "plan")
+               "wait", "store", "shaping", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,12 +40,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()      # a reader gone shows here, not as a warning at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    # -v anywhere on the line (``wagent pull URL -v``): argparse only knows it before COMMAND.
+    verbose = sum(_verbosity(a) for a in argv if a != "--")
+    args = parser.parse_args([a for a in argv if not _verbosity(a)])
+    args.verbose = verbose
+    logs.setup(verbose)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
         print("wagent: interrupted", file=sys.stderr)
         return 130
+
+
+def _verbosity(arg: str) -> int:
+    """How many -v a word holds: ``-v``, ``-vv``, ``--verbose``; 0 for anything else."""
+    if arg == "--verbose":
+        return 1
+    if len(arg) > 1 and arg[0] == "-" and arg[1:] == "v" * (len(arg) - 1):
+        return len(arg) - 1
+    return 0
+
+
+def _reader_gone() -> int:
+    """stdout's reader left (``wagent status | head -1``): end quietly, as a command killed by
+    SIGPIPE would, with its exit code. Python's recipe: devnull on stdout, so that the flush at
+    exit doesn't fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
