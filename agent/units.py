@@ -103,3 +103,33 @@ def _positive(value: int, text: str, forms: str) -> int:
     if value <= 0:
         raise UnitError(f"{text!r} must be more than zero; accepted: {forms}")
     return value
+
+
+def exact_rate(bits_per_second: int) -> str:
+    """The largest unit that writes the rate exactly, in a form ``parse_rate`` reads back."""
+    for unit, scale in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits_per_second and bits_per_second % scale == 0:
+            return f"{bits_per_second // scale}{unit}"
+    return f"{bits_per_second}bit"
+
+
+def exact_size(n_bytes: int) -> str:
+    """The largest unit that writes the size exactly, in a form ``parse_size`` reads back."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10),
+                        ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n_bytes and n_bytes % scale == 0:
+            return f"{n_bytes // scale}{unit}"
+    return f"{n_bytes}B"
+
+
+def exact_duration(seconds: float) -> str:
+    """``1h30m``, ``100ms``: whole units where they fit, in a form ``parse_duration`` reads."""
+    ms = round(seconds * 1000)
+    if ms % 1000:
+        return f"{ms}ms"
+    s, out = ms // 1000, ""
+    for unit, scale in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= scale:
+            out += f"{s // scale}{unit}"
+            s %= scale
+    return out + (f"{s}s" if s or not out else "")

@@ -16,6 +16,7 @@ import yaml
 
 from agent.policy import PolicyError, check_policy, load_policy
 from agent.policy_model import Policy
+from agent.units import exact_duration, exact_rate, exact_size
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 
@@ -29,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "problem; exit 1 on any")
     check.add_argument("files", nargs="+", metavar="FILE")
     check.add_argument("-q", "--quiet", action="store_true", help="don't print 'FILE: ok'")
+    check.add_argument("--json", action="store_true",
+                       help="one JSON document: every file with its problems (file, line, "
+                       "message)")
     check.set_defaults(func=run_check)
     show = actions.add_parser("show", help="print the effective policy, defaults filled in "
                                            "(rates in bits/s, sizes in bytes, durations in s)")
@@ -38,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.json:
+        files = [{"file": path, "problems": [i._asdict() for i in check_policy(path)]}
+                 for path in args.files]
+        print(json.dumps({"ok": not any(f["problems"] for f in files), "files": files},
+                         indent=2))
+        return 0 if all(not f["problems"] for f in files) else 1
     failed = False
     for path in args.files:
         issues = check_policy(path)
@@ -92,11 +102,10 @@ def _plain(value: Any, meta: Any, with_units: bool) -> Any:
                 else [list(v) for v in value]
         return [_plain(v, meta, with_units) for v in value]
     unit = meta.get("unit")
-    if value is None or not with_units or unit not in _SUFFIX:
+    if value is None or not with_units or unit not in _WRITE:
         return value
-    if unit == "duration":
-        return f"{value:.6f}".rstrip("0").rstrip(".") + "s"
-    return f"{value}{_SUFFIX[unit]}"
+    return _WRITE[unit](value)
 
 
-_SUFFIX = {"rate": "bit", "size": "B", "duration": "s"}
+# Human units that read back to the same value: the document passes `wagent policy check`.
+_WRITE = {"rate": exact_rate, "size": exact_size, "duration": exact_duration}

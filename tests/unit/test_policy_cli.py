@@ -46,3 +46,29 @@ def test_show_bad_policy_exits_1(tmp_path, capsys):
     bad.write_text("version: 3\n")
     assert main(["policy", "show", "--policy", str(bad)]) == 1
     assert f"{bad}:1: policy schema version 3" in capsys.readouterr().err
+
+
+def test_check_json_lists_each_files_problems(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\npulls:\n  straems: 4\n")
+    assert main(["policy", "check", "--json", str(bad), str(POLICIES / "demo.yaml")]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False
+    assert doc["files"][0]["problems"][0]["line"] == 3
+    assert "straems" in doc["files"][0]["problems"][0]["message"]
+    assert doc["files"][1]["problems"] == []
+
+
+def test_show_prints_human_units_and_passes_check(tmp_path, capsys):
+    for name in ("fleet.example.yaml", "demo.yaml"):
+        assert main(["policy", "show", "--policy", str(POLICIES / name)]) == 0
+        shown = capsys.readouterr().out
+        out = tmp_path / name
+        out.write_text(shown)
+        assert main(["policy", "check", str(out)]) == 0, capsys.readouterr().out
+        capsys.readouterr()
+        assert main(["policy", "show", "--policy", str(out), "--json"]) == 0
+        again = json.loads(capsys.readouterr().out)
+        assert main(["policy", "show", "--policy", str(POLICIES / name), "--json"]) == 0
+        assert again == json.loads(capsys.readouterr().out)
+    assert "ceil: 200mbit" in shown and "gap: 10s" in shown
