@@ -41,11 +41,19 @@ def offset_fraction(node_id: str, role: str, model: str, version: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
+def wave_order(policy: Policy) -> tuple[str, ...]:
+    """The waves that can hold a node: the roles of ``waves.order`` the policy defines, and the
+    default role (a node no pattern matches). A minimal policy, with no roles, doesn't wait for
+    the inference and evaluation waves of the default order: it has no such nodes."""
+    return tuple(r for r in policy.waves.order
+                 if policy.role(r) is not None or r == policy.default_role)
+
+
 def wave_index(policy: Policy, role: str) -> int | None:
     """The role's wave (0 first); None for the cache role; after the last wave if unlisted."""
     if policy.cache_role is not None and role == policy.cache_role:
         return None
-    order = policy.waves.order
+    order = wave_order(policy)
     return order.index(role) if role in order else len(order)
 
 

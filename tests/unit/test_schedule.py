@@ -83,7 +83,8 @@ def test_offsets_uniform_over_10k_nodes():
 def test_same_slot_after_restart_different_for_another_version():
     a = slot(PUBLISHED, "5f2c0a", "training", "llama", "v2", POLICY)
     again = slot(PUBLISHED, "5f2c0a", "training", "llama", "v2", parse_policy(
-        "version: 1\nwaves: {gap: 30m, spread: 20m, cache_lead: 10m}\n"))
+        "version: 1\nroles: {inference: {hosts: [i*]}, evaluation: {hosts: [e*]}}\n"
+        "waves: {gap: 30m, spread: 20m, cache_lead: 10m}\n"))
     assert a == again                                  # nothing but the inputs: no state
     assert a != slot(PUBLISHED, "5f2c0a", "training", "llama", "v3", POLICY)
     assert a != slot(PUBLISHED, "5f2c0a", "training", "qwen", "v2", POLICY)
@@ -161,3 +162,11 @@ def test_cache_spread_stays_inside_the_lead():
     p = Policy(roles=(Role("cache"),), waves=Waves(spread=1200, cache_lead=30))
     assert cache_spread(p) == 15
     assert cache_spread(Policy()) == 60
+
+
+def test_a_policy_without_roles_waits_for_no_wave_it_has_no_nodes_for():
+    minimal = parse_policy("version: 1\nwaves: {gap: 30m, spread: 20m}\n")
+    assert wave_index(minimal, "training") == 0
+    frac = offset_fraction("n", "training", "llama", "v2")
+    assert slot(PUBLISHED, "n", "training", "llama", "v2", minimal) == PUBLISHED + frac * 1200
+    assert wave_index(POLICY, "training") == 2
