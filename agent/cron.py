@@ -1,4 +1,4 @@
-"""Cron expressions, parsed and evaluated in UTC: pure, no clock, no scheduler.
+"""Cron expressions, parsed and evaluated in UTC or a time zone: pure, no clock, no scheduler.
 
 Five fields, as in crontab(5): minute, hour, day of month, month, day of week. Day of week uses
 cron's numbering, 0 and 7 both Sunday (APScheduler's CronTrigger counts from Monday = 0, which is
@@ -16,7 +16,7 @@ datetime.datetime(2026, 12, 7, 22, 0, tzinfo=datetime.timezone.utc)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 
 MACROS = {
     "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
@@ -67,23 +67,42 @@ class CronSpec:
     days_star: bool                   # day-of-month field starts with '*'
     weekdays_star: bool
 
-    def matches(self, t: datetime) -> bool:
-        """Whether minute ``t`` (UTC) is a match."""
-        t = t.astimezone(UTC)
+    def matches(self, t: datetime, tz: tzinfo = UTC) -> bool:
+        """Whether minute ``t`` is a match, read on the wall clock of ``tz``."""
+        t = t.astimezone(tz)
         return (t.minute in self.minutes and t.hour in self.hours and t.month in self.months
                 and self._day_ok(t))
 
-    def next_match(self, after: datetime, inclusive: bool = False) -> datetime | None:
+    def next_match(self, after: datetime, inclusive: bool = False,
+                   tz: tzinfo = UTC) -> datetime | None:
         """The first match at or after (``inclusive``) or strictly after ``after``, in UTC.
+
+        The fields are read on the wall clock of ``tz``. Across a daylight-saving change: a
+        wall time that doesn't exist (the hour skipped in spring) matches at the same distance
+        past the change (02:30 becomes 03:30); one that happens twice (the hour repeated in
+        autumn) matches once, the first time.
 
         None if the expression never fires (e.g. ``0 0 30 2 *``). Jumps field by field, so a
         call costs a few dozen steps, not one per minute.
         """
-        t = after.astimezone(UTC)
+        after = after.astimezone(UTC)
+        t = after.astimezone(tz).replace(tzinfo=None)     # wall clock, stepped naively
         exact = t.second == 0 and t.microsecond == 0
         t = t.replace(second=0, microsecond=0)
         if not (inclusive and exact):
             t += timedelta(minutes=1)
+        while True:
+            wall = self._next_wall(t)
+            if wall is None:
+                return None
+            # fold=0: the first of a repeated wall time; a skipped one lands past the change.
+            at = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
+            if at > after or (inclusive and at == after):
+                return at
+            t = wall + timedelta(minutes=1)     # the repeated hour's second pass: skip it
+
+    def _next_wall(self, t: datetime) -> datetime | None:
+        """The first matching naive wall-clock minute at or after ``t``."""
         limit_year = t.year + HORIZON_YEARS
         while t.year <= limit_year:
             if t.month not in self.months:

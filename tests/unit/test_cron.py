@@ -116,3 +116,33 @@ def test_errors_name_the_field(text, words):
     with pytest.raises(CronError) as e:
         parse_cron(text)
     assert words in str(e.value)
+
+
+def test_a_time_zone_reads_the_fields_on_its_wall_clock():
+    from zoneinfo import ZoneInfo
+    berlin = ZoneInfo("Europe/Berlin")
+    spec = parse_cron("0 22 * * *")
+    summer = spec.next_match(datetime(2026, 6, 1, tzinfo=UTC), tz=berlin)
+    winter = spec.next_match(datetime(2026, 12, 1, tzinfo=UTC), tz=berlin)
+    assert summer == datetime(2026, 6, 1, 20, 0, tzinfo=UTC)
+    assert winter == datetime(2026, 12, 1, 21, 0, tzinfo=UTC)
+    assert spec.matches(winter, berlin) and not spec.matches(winter)
+
+
+def test_daylight_saving_changes_skip_nothing_and_repeat_nothing():
+    from zoneinfo import ZoneInfo
+    berlin = ZoneInfo("Europe/Berlin")
+    spec = parse_cron("30 2 * * *")
+    # 29 March 2026: 02:00 CET jumps to 03:00 CEST; 02:30 doesn't exist and comes an hour late.
+    spring = spec.next_match(datetime(2026, 3, 29, 0, 0, tzinfo=UTC), tz=berlin)
+    assert spring == datetime(2026, 3, 29, 1, 30, tzinfo=UTC)
+    # 25 October 2026: 03:00 CEST falls back to 02:00 CET; 02:30 happens twice, matches once.
+    first = spec.next_match(datetime(2026, 10, 25, 0, 0, tzinfo=UTC), tz=berlin)
+    assert first == datetime(2026, 10, 25, 0, 30, tzinfo=UTC)
+    assert spec.next_match(first, tz=berlin) == datetime(2026, 10, 26, 1, 30, tzinfo=UTC)
+    every = parse_cron("*/20 * * * *")
+    t, seen = datetime(2026, 10, 24, 23, 0, tzinfo=UTC), []
+    while t < datetime(2026, 10, 25, 3, 0, tzinfo=UTC):
+        t = every.next_match(t, tz=berlin)
+        seen.append(t)
+    assert seen == sorted(set(seen))                  # strictly forward, never twice
