@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import TextIO
@@ -10,15 +11,26 @@ from agent.pull.engine import PullProgress, PullResult
 from agent.units import format_duration, format_rate, format_size
 
 
-def bar_line(p: PullProgress, width: int = 30) -> str:
+def bar_line(p: PullProgress, columns: int = 100) -> str:
+    """One line that fits ``columns``: a line longer than the terminal wraps, and ``\r`` then
+    redraws only its last part, stacking lines. The details go first, widest last."""
     frac = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
     frac = min(1.0, max(0.0, frac))
-    filled = int(frac * width)
     eta = p.eta
-    return (f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}% "
-            f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)} "
-            f"{format_rate(p.rate * 8)} ETA {format_duration(eta) if eta is not None else '?'} "
-            f"streams {p.streams} files {p.files_done}/{p.files_total}")
+    parts = [f"{frac * 100:5.1f}%",
+             f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)}",
+             format_rate(p.rate * 8),
+             f"ETA {format_duration(eta) if eta is not None else '?'}",
+             f"streams {p.streams}", f"files {p.files_done}/{p.files_total}"]
+    room = columns - 1                  # the last column stays free: some terminals wrap there
+    while parts and len(" ".join(parts)) > room:
+        parts.pop()
+    text = " ".join(parts)
+    width = min(30, room - len(text) - 3)
+    if width >= 5:
+        filled = int(frac * width)
+        text = f"[{'#' * filled}{'.' * (width - filled)}] {text}"
+    return text[:room]
 
 
 def file_line(p: PullProgress) -> str:
@@ -52,7 +64,7 @@ class Reporter:
             if self.tty:
                 if p.event == "file":
                     return
-                self.out.write("\r\x1b[K" + bar_line(p))
+                self.out.write("\r\x1b[K" + bar_line(p, self._columns()))
                 self._drawn = True
                 if p.event == "done":
                     self.out.write("\n")
@@ -60,6 +72,13 @@ class Reporter:
             elif p.event == "file":
                 self.out.write(file_line(p) + "\n")
             self.out.flush()
+
+    def _columns(self) -> int:
+        """The terminal's width now (it may have been resized since the last line)."""
+        try:
+            return os.get_terminal_size(self.out.fileno()).columns or 80
+        except (OSError, ValueError, AttributeError):
+            return 80
 
     def end(self) -> None:
         """Leave the line after an unfinished bar (an error message follows)."""

@@ -61,3 +61,11 @@ def test_cli_manifest_build(tmp_path, capsys):
     assert (m["model"], m["version"]) == ("llama", "v1")
     assert [p["size"] for p in m["files"][0]["pieces"]] == [4096, 904]
     assert main(["manifest", "build", str(tmp_path / "missing")]) == 1
+
+
+def test_the_bar_fits_the_terminal():
+    for columns in (40, 60, 80, 200):
+        line = bar_line(progress("progress", 2**29), columns)
+        assert len(line) < columns, (columns, line)
+        assert "50.0%" in line
+    assert "[" in bar_line(progress("progress", 2**29), 80)
