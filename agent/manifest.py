@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ MAX_PATH_BYTES = 1024                 # well inside PATH_MAX (4096) once under a
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}$")
 _RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
+MAX_COUNT = 2**63                     # sizes and offsets stay below (off_t)
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
 
 
 class ManifestError(ValueError):
@@ -115,17 +119,13 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{where}: {len(data)} bytes, more than a manifest may have "
                             f"({MAX_MANIFEST_BYTES})")
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{where}: not valid JSON ({e}); is it truncated? Rebuild it with "
-                            "'wagent manifest build DIR'") from None
+    doc = _load_json(data, where)
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: the top level must be a JSON object")
     fmt = doc.get("format")
     if fmt != FORMAT:
-        raise ManifestError(f"{where}: format {fmt!r} is not supported (this wagent reads format "
-                            f"{FORMAT})")
+        raise ManifestError(f"{where}: format {_show(fmt)} is not supported (this wagent reads "
+                            f"format {FORMAT})")
     try:
         model = check_name("model", doc.get("model"))
         version = check_name("version", doc.get("version"))
@@ -139,13 +139,31 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
         entries = tuple(_file_entry(i, f) for i, f in enumerate(files))
     except ManifestError as e:
         raise ManifestError(f"{where}: {e}") from None
+    except (RecursionError, ValueError) as e:
+        # A value too deep or too long to show or compare: still the manifest's fault.
+        raise ManifestError(f"{where}: a value can't be read ({type(e).__name__}); rebuild it "
+                            "with 'wagent manifest build DIR'") from None
     _check_tree(entries, where)
     return Manifest(model, version, published, entries)
 
 
+def _load_json(data: bytes, where: str) -> object:
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where}: not valid JSON ({e}); is it truncated? Rebuild it with "
+                            "'wagent manifest build DIR'") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: JSON nested too deeply to be a manifest") from None
+    except ValueError:
+        # Python's limit on the digits of an integer (4300): no size or offset has that many.
+        raise ManifestError(f"{where}: holds a number with too many digits to be a size or "
+                            "an offset") from None
+
+
 def _file_entry(index: int, f: object) -> FileEntry:
     if not isinstance(f, dict):
-        raise ManifestError(f"files[{index}] must be an object")
+        raise ManifestError(f"files[{index}] must be an object, got {_show(f)}")
     path = check_path(f.get("path"))
     what = f"files[{index}] ({path})"
     size = _count(f.get("size"), f"{what} size")
@@ -210,9 +228,19 @@ def check_paths(paths: Iterable[str], where: str) -> None:
 
 
 def _count(v: object, what: str) -> int:
+    """A size or an offset: also below 2**63, where off_t ends (and every file system long
+    before it), so that no later arithmetic or system call overflows."""
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ManifestError(f"{what} must be a whole number >= 0, got {v!r}")
+        raise ManifestError(f"{what} must be a whole number >= 0, got {_show(v)}")
+    if v >= MAX_COUNT:
+        raise ManifestError(f"{what} is {_show(v)}, more than any file can hold (at most "
+                            f"2**63 - 1)")
     return v
+
+
+def _show(v: object) -> str:
+    """``v`` for a message: short, whatever its depth or length."""
+    return _SHORT.repr(v)
 
 
 def _sha(v: object, what: str) -> str:
@@ -239,6 +267,16 @@ def rfc3339(ts: float) -> str:
 
 def published_ts(published: str) -> float:
     return datetime.fromisoformat(published.replace("Z", "+00:00")).timestamp()
+
+
+def parse_published(text: str) -> float:
+    """A publication time as a publisher writes it (RFC 3339 UTC), as a timestamp."""
+    try:
+        if _RFC3339_UTC.match(text):
+            return published_ts(text)
+    except ValueError:
+        pass
+    raise ManifestError(f"{text!r} is not an RFC 3339 UTC time such as 2026-12-02T11:00:00Z")
 
 
 def piece_bounds(path: Path, size: int, piece_size: int) -> list[tuple[int, int]]:

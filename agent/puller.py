@@ -15,15 +15,22 @@ functions in :class:`PullerDeps`, which ``agent.application`` builds from the re
 tests build from fakes. The daemon's main loop calls :meth:`Puller.supervise` every tick, which
 stops a running pull when the window closes, the daemon is paused, or a reload dropped or
 changed the model (partials are kept; the next pull resumes them).
+
+Every call that may wait on a source (resolve, the manifest, the pull) is bounded by the pull
+engine's deadlines, so a stuck source costs one model a failure, never the others their turn. As
+a safety net, a worker that has made no progress (no byte moved) for longer than
+``PullerDeps.stall_after`` shows as ``stalled`` in its model's status, which makes the daemon
+degraded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
 from agent.policy_model import Model, Policy
 from agent.status import PullInfo
@@ -64,6 +71,22 @@ class PullerDeps:
     local_version: Callable[[Model], str | None]           # newest complete version in the store
     pull: PullFn
     evict: Callable[[], None]
+    # Seconds without progress after which the worker shows as stalled: longer than any wait
+    # the deadlines allow (agent.application derives it from the pull options).
+    stall_after: Callable[[], float] = field(default=lambda: DEFAULT_STALL_AFTER)
+
+
+DEFAULT_STALL_AFTER = 600.0
+
+
+@dataclass
+class _Busy:
+    """What the worker is doing now, and its last sign of progress."""
+
+    model: str
+    what: str                   # "resolving latest", "pulling v3", ...
+    since: float                # start, or when bytes last moved
+    moved: tuple[int, int] = (-1, -1)     # (done, fetched) at ``since``
 
 
 @dataclass
@@ -92,6 +115,7 @@ class Puller:
         self._engine_rate: float | None = None
         self.failures_total = 0         # failed pulls since start (metrics)
         self.pass_error: str | None = None
+        self._busy: _Busy | None = None
         self._thread: threading.Thread | None = None
         self._sync_models()
 
@@ -154,7 +178,37 @@ class Puller:
         with self._lock:
             infos = [st.info for st in self._states.values()]
             rate = self._rate()
-        return tuple(replace(i, rate_bps=rate) if i.state == "pulling" else i for i in infos)
+            stalled = self._stalled()
+        return tuple(replace(i, rate_bps=rate if i.state == "pulling" else i.rate_bps,
+                             stalled=stalled[1] if stalled and stalled[0] == i.model else None)
+                     for i in infos)
+
+    def _stalled(self) -> tuple[str, str] | None:
+        """(model, why) when the worker made no progress for longer than it may."""
+        busy, limit = self._busy, self.deps.stall_after()
+        if busy is None:
+            return None
+        idle = self.deps.clock() - busy.since
+        if idle <= limit:
+            return None
+        return busy.model, (f"no progress for {idle:.0f} s while {busy.what} (the deadlines "
+                            f"allow {limit:.0f} s): the pull worker is stuck")
+
+    @contextlib.contextmanager
+    def _working(self, model: Model, what: str) -> Iterator[None]:
+        with self._lock:
+            self._busy = _Busy(model.name, what, self.deps.clock())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy = None
+
+    def _moved(self, done: int, fetched: int) -> None:
+        """Progress: bytes present or received changed (under self._lock)."""
+        busy = self._busy
+        if busy is not None and busy.moved != (done, fetched):
+            busy.since, busy.moved = self.deps.clock(), (done, fetched)
 
     def fetched_totals(self) -> dict[str, int]:
         with self._lock:
@@ -197,7 +251,8 @@ class Puller:
         if model.version == "latest" and (st.resolved_at is None
                                           or now - st.resolved_at >= self.policy.poll_interval):
             try:
-                version = d.resolve(model)
+                with self._working(model, "resolving latest"):
+                    version = d.resolve(model)
             except Exception as e:
                 st.resolved_at = now  # keep the last answer; poll again next interval
                 error = f"resolving latest: {e}"
@@ -217,7 +272,8 @@ class Puller:
             return self.policy.poll_interval
         if st.published is None or st.published[0] != version:
             try:
-                st.published = (version, d.published(model, version))
+                with self._working(model, f"reading the manifest of {version}"):
+                    st.published = (version, d.published(model, version))
             except Exception as e:
                 log.warning("publication time of %s %s unknown: %s", model.name, version, e)
                 self._set(model, version=version, error=f"reading the manifest: {e}")
@@ -260,11 +316,13 @@ class Puller:
                 last_fetched[0] = p.fetched
                 self._samples.append((d.clock(), p.fetched))
                 self._engine_rate = p.rate_bps
+                self._moved(p.done, p.fetched)
                 st.info = replace(st.info, bytes_done=p.done, bytes_total=p.total,
                                   streams=p.streams)
 
         try:
-            d.pull(model, version, progress, stop)
+            with self._working(model, f"pulling {version}"):
+                d.pull(model, version, progress, stop)
         except Exception as e:
             self._current = None
             if stop.is_set():

@@ -103,6 +103,9 @@ class BackoffInfo:
     events: tuple[BackoffEvent, ...] = ()   # most recent last, bounded
     events_total: int = 0               # times training traffic made it back off, since start
     readings: Mapping[str, float] = field(default_factory=dict)
+    # the same backoffs, by the kind of signal that caused them (training_port, link, rdma,
+    # nccl; one backoff may count for several)
+    events_by_signal: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class PullInfo:
     finished_at: float | None = None
     local_version: str | None = None    # newest version complete in the store
     error: str | None = None
+    stalled: str | None = None          # the worker made no progress for longer than it may
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ def problems(state: DaemonState) -> list[str]:
     if state.shaping.error:
         out.append(f"shaping: {state.shaping.error}")
     out += [f"pull {p.model}: {p.error}" for p in state.pulls if p.state == "failed" and p.error]
+    out += [f"pull {p.model}: {p.stalled}" for p in state.pulls if p.stalled]
     out += list(state.errors)
     return out
 
@@ -220,6 +225,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "events": [{"at": e.at, "state": e.state, "reason": e.reason, "rate_bps": e.rate_bps}
                        for e in s.backoff.events],
             "events_total": s.backoff.events_total,
+            "events_by_signal": dict(sorted(s.backoff.events_by_signal.items())),
             "readings": dict(sorted(s.backoff.readings.items())),
         },
         "pulls": [
@@ -228,7 +234,8 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
              "percent": _percent(p), "rate_bps": p.rate_bps, "eta_s": eta(p),
              "streams": p.streams, "slot_at": p.slot_at, "starts_at": p.starts_at,
              "started_at": p.started_at,
-             "finished_at": p.finished_at, "local_version": p.local_version, "error": p.error}
+             "finished_at": p.finished_at, "local_version": p.local_version, "error": p.error,
+             "stalled": p.stalled}
             for p in s.pulls],
         "window": {"open": s.window.open, "next_open": s.window.next_open,
                    "closes_at": s.window.closes_at},
@@ -336,6 +343,8 @@ def to_text(doc: Mapping[str, Any]) -> str:
             line += f"; in store: {p['local_version']}"
         if p["error"]:
             line += f"; error: {p['error']}"
+        if p.get("stalled"):                # absent from an older daemon's document
+            line += f"; STALLED: {p['stalled']}"
         lines.append(line)
     w = doc["window"]
     if w["open"]:

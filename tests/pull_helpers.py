@@ -5,7 +5,10 @@ root, and misbehaves on purpose for requests matching ``fault_on``: more or fewe
 a wrong Content-Range, a 200 to a Range request, corrupted bytes, a changed ETag, a 500, a gzip
 body (a server compressing despite ``Accept-Encoding: identity``), a body that stalls half way, a
 body that trickles (a few bytes every fraction of a second, each well inside any read timeout), a
-Content-Range naming another file size.
+Content-Range naming another file size; ETags that differ per request for identical bytes (backends
+behind a load balancer), a file whose bytes changed. Faults in ``ANY_REQUEST`` also hit requests
+without a Range (manifest, ``latest``): headers trickled a byte at a time, a body trickled, a gzip
+bomb.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from agent import manifest
@@ -145,17 +149,34 @@ class LoopbackNginx:
 
 
 FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
-          "error_500", "gzip", "stall", "trickle", "other_total")
+          "error_500", "gzip", "stall", "trickle", "other_total", "etag_flap", "changed",
+          "slow_headers", "slow_body", "gzip_bomb", "gzipped")
+# Faults that also hit requests without a Range header (the others only hit ranged ones).
+ANY_REQUEST = ("slow_headers", "slow_body", "gzip_bomb", "gzipped")
+_BOMBS: dict[int, bytes] = {}
+
+
+def gzip_bomb(size: int) -> bytes:
+    """``size`` zero bytes gzipped (about a thousandth of it), made once per size."""
+    if size not in _BOMBS:
+        c = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        block = bytes(2**20)
+        parts = [c.compress(block) for _ in range(size // len(block))]
+        _BOMBS[size] = b"".join([*parts, c.flush()])
+    return _BOMBS[size]
 
 
 class FaultyServer:
     """A ranged file server on 127.0.0.1; ``fault`` applies to requests whose path matches
     ``fault_on`` (a regex) after the first ``after`` of them, ``times`` times (None: always).
-    ``auth``: the Authorization header every request must carry (else 401)."""
+    ``auth``: the Authorization header every request must carry (else 401). ``header_pad``: bytes
+    of padding in the headers that "slow_headers" trickles; ``bomb``: what "gzip_bomb" inflates
+    to."""
 
     def __init__(self, root: Path, fault: str | None = None, fault_on: str = r"\.safetensors$",
                  times: int | None = None, after: int = 0, auth: str | None = None,
-                 trickle: tuple[int, float] = (16, 0.05)) -> None:
+                 trickle: tuple[int, float] = (16, 0.05), header_pad: int = 200,
+                 bomb: int = 2**30) -> None:
         assert fault is None or fault in FAULTS
         self.root = Path(root)
         self.fault = fault
@@ -166,6 +187,9 @@ class FaultyServer:
         self.matched = 0
         self.auth = auth
         self.trickle = trickle                    # (bytes, seconds between them) for "trickle"
+        self.header_pad = header_pad
+        self.bomb = bomb
+        self.flaps = 0                            # "etag_flap": which backend answers next
         self.requests: list[tuple[str, str | None, int]] = []   # (path, Range, status)
         self.lock = threading.Lock()
         self.etag_generation = 0
@@ -225,11 +249,33 @@ class FaultyServer:
             return
         data = file.read_bytes()
         etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'
-        fault = self._take_fault(path) if rng else None
+        fault = self._take_fault(path) if rng or self.fault in ANY_REQUEST else None
         if fault == "etag_change":
             self.etag_generation += 1
             etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'
             fault = None
+        elif fault == "etag_flap":
+            # Two backends, identical bytes, each its own ETag (its own mtime): they alternate.
+            with self.lock:
+                self.flaps += 1
+                etag = f'"{len(data):x}-backend{self.flaps % 2}"'
+            fault = None
+        elif fault == "changed":
+            # Republished in place: same size, other bytes, another ETag.
+            data, etag = data[1:] + data[:1], f'"{len(data):x}-changed"'
+            fault = None
+        elif fault == "gzip_bomb":
+            self._send(h, path, rng, 200, gzip_bomb(self.bomb), {"Content-Encoding": "gzip"})
+            return
+        elif fault == "gzipped" and not rng:
+            # Compressed despite "Accept-Encoding: identity", in two gzip members.
+            half = len(data) // 2
+            self._send(h, path, rng, 200, gzip.compress(data[:half]) + gzip.compress(data[half:]),
+                       {"Content-Encoding": "gzip"})
+            return
+        elif fault in ANY_REQUEST and not rng:
+            self._slow(h, path, rng, 200, data, {"ETag": etag}, fault)
+            return
         if_range = h.headers.get("If-Range")
         m = re.match(r"bytes=(\d+)-(\d+)$", rng or "")
         if fault == "error_500":
@@ -263,6 +309,9 @@ class FaultyServer:
         if fault == "trickle":
             self._trickle(h, path, rng, body, headers)
             return
+        if fault in ANY_REQUEST:
+            self._slow(h, path, rng, 206, body, headers, fault)
+            return
         if fault == "fewer":
             # Claim the full length, send less, then close: a truncated body.
             self._send(h, path, rng, 206, body, headers, length=end + 1 - start, close=True)
@@ -272,13 +321,38 @@ class FaultyServer:
         else:
             self._send(h, path, rng, 206, body, headers)
 
+    def _slow(self, h: http.server.BaseHTTPRequestHandler, path: str, rng: str | None,
+              status: int, body: bytes, headers: dict[str, str], fault: str) -> None:
+        if fault == "slow_body":
+            self._trickle(h, path, rng, body, headers, status)
+            return
+        # "slow_headers": the header block (padded) a byte every ``self.trickle[1]`` s, each
+        # well inside the read timeout; then the body at once.
+        with self.lock:
+            self.requests.append((path, rng, status))
+        block = (f"HTTP/1.1 {status} {h.responses[status][0]}\r\n"
+                 f"X-Pad: {'.' * self.header_pad}\r\n"
+                 + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+                 + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        h.close_connection = True
+        try:
+            for i in range(len(block)):
+                if self.unstall.wait(self.trickle[1]):
+                    return
+                h.wfile.write(block[i:i + 1])
+                h.wfile.flush()
+            h.wfile.write(body)
+            h.wfile.flush()
+        except OSError:
+            pass
+
     def _trickle(self, h: http.server.BaseHTTPRequestHandler, path: str, rng: str | None,
-                 body: bytes, headers: dict[str, str]) -> None:
+                 body: bytes, headers: dict[str, str], status: int = 206) -> None:
         """Headers, then ``self.trickle[0]`` bytes every ``self.trickle[1]`` s until the body is
         sent, the client goes away, or the server closes."""
         with self.lock:
-            self.requests.append((path, rng, 206))
-        h.send_response(206)
+            self.requests.append((path, rng, status))
+        h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(body)))
@@ -379,3 +453,11 @@ if __name__ == "__main__":
     import json
     import sys
     print(json.dumps(pull_json(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+
+
+def blob_of(version_dir: Path, rel: str) -> str:
+    """The store's name (blob id) for file ``rel`` of a published origin version."""
+    from agent.blob_id import blob_id
+    from agent.manifest import parse
+    m = parse((version_dir / "manifest.json").read_bytes())
+    return blob_id(next(f for f in m.files if f.path == rel))

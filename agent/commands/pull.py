@@ -17,6 +17,7 @@ from types import FrameType
 
 from agent.policy_model import Pulls, Source
 from agent.ratelimit import TokenBucket
+from agent.redact import redact
 from agent.store import Store
 from agent.units import UnitError, parse_rate, parse_size
 
@@ -49,7 +50,7 @@ def split_url(url: str) -> tuple[str, str, str]:
     """(source, model, version) from ``{source}/{model}/{version}``."""
     parts = url.rstrip("/").rsplit("/", 2)
     if len(parts) != 3 or "://" not in parts[0] or not parts[1] or not parts[2]:
-        raise ValueError(f"URL {url!r} must be {{source}}/{{model}}/{{version}}, e.g. "
+        raise ValueError(f"URL {redact(url)!r} must be {{source}}/{{model}}/{{version}}, e.g. "
                          "http://origin:8080/llama/v7 (version may be 'latest')")
     return parts[0], parts[1], parts[2]
 
@@ -125,6 +126,12 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
         reporter.end()
         print(f"wagent pull: {e}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, Terminated) as e:
+        reporter.end()
+        name = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C (SIGINT)"
+        print(f"wagent pull: stopped by {name}; the pieces already verified are kept: pull "
+              "again to resume", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     finally:
         restore()
     if not args.quiet:
@@ -137,13 +144,27 @@ def _policy_pulls(path: str) -> Pulls:
     return load_policy(path).pulls
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt for Ctrl-C (a BaseException, so
+    that no ``except Exception`` on the way swallows it)."""
+
+
 def _stop_on_term(stop: threading.Event) -> Callable[[], None]:
-    """SIGTERM (and Ctrl-C) stop the streams after their current chunk; partials are kept."""
+    """SIGTERM and Ctrl-C end the pull within a fraction of a second; partials are kept.
+
+    ``stop`` cuts the streams' requests in flight (the HTTP watchdog shuts their sockets down)
+    and their token-bucket waits. The main thread may be blocked too (a manifest or ``latest``
+    trickling in): the exception raised here interrupts its read at once, and on the way out the
+    transfer, if running, waits for its streams, which ``stop`` has ended. A second signal only
+    sets ``stop`` again: the first one's cleanup must run to its end."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            return
         stop.set()
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 

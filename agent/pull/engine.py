@@ -44,7 +44,7 @@ from agent.pull.transfer import (
     Transfer,
 )
 from agent.ratelimit import TokenBucket
-from agent.store import Store, StoreError
+from agent.store import Store, StoreError, space
 from agent.units import format_size
 
 T = TypeVar("T")
@@ -206,7 +206,7 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
         check_name("version", version)
         store.check_writable(model, version)
         # Every start tidies what a crash or an abandoned version left (never what a pull holds).
-        store.clean(wall_clock())
+        space.clean(store, wall_clock())
         try:
             with store.pull_lock():
                 m = store.installed(model, version)
@@ -221,7 +221,8 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
             # Outside the pull lock: the crash leftovers can go too. Partial files of other
             # versions give their space back; this version's stay for the next try.
             wanted = set(planning.distinct_files(m))
-            freed = sum(r.size for r in store.clean(wall_clock(), wanted=wanted.__contains__))
+            freed = sum(r.size for r in space.clean(store, wall_clock(),
+                                                   wanted=wanted.__contains__))
             if freed:
                 raise StoreFull(f"{e} (freed {format_size(freed)} of stale partial files since)"
                                 ) from None
@@ -337,7 +338,7 @@ def _reserve(store: Store, m: Manifest, partials: Sequence[Partial], now: float)
     need = sum(part.unallocated() for part in partials)
     if need > store.free_bytes():
         wanted = {part.name for part in partials}
-        store.clean(now, wanted=wanted.__contains__)
+        space.clean(store, now, wanted=wanted.__contains__)
         free = store.free_bytes()
         if need > free:
             raise StoreFull(f"no space left in the store {store.root} for {m.model}/"

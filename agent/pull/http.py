@@ -8,6 +8,13 @@ Range responses are checked to the byte: status 206 (a 200 is a full body, refus
 bytes in the body. The read timeout bounds every read of a body, so a server that stalls mid-body
 costs one timeout, then the piece moves to the next source; a server that trickles is caught by
 the request's goodput ``Meter``, whose watcher shuts the connection's socket down.
+
+A read timeout bounds each read, not a whole wait: a server trickling its headers a byte per read
+timeout would hold a request for ever. So every request also has deadlines: its response headers
+within ``Timeouts.headers_deadline`` of its start, and a small document's body (manifest,
+``latest``) within a bound scaled by its size. One watchdog thread for the process enforces them,
+and each client's stop event, by shutting the request's socket down; it knows the socket from the
+moment a connection pool hands the connection out (``_WatchedPool``), before any header arrives.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ import base64
 import contextlib
 import re
 import socket
+import threading
+import time
+import zlib
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +34,20 @@ from urllib.parse import quote
 import requests
 import urllib3.exceptions
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from agent.policy_model import Source
+from agent.pull import sockets
 from agent.pull.goodput import Meter
+from agent.redact import redact
+
+__all__ = ["ChangedError", "Client", "CredentialsError", "FetchError", "Timeouts",
+           "read_credentials", "redact", "url_for"]
 
 USER_AGENT = "wagent"
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_SMALL_READ = 64 * 1024            # bytes read at a time from a small document's body
 
 
 class FetchError(Exception):
@@ -52,6 +70,19 @@ class CredentialsError(Exception):
 class Timeouts:
     connect: float = 10.0
     read: float = 30.0
+    # The whole wait for a response's headers, from the request's start. None: connect + read,
+    # what a healthy server needs at worst.
+    headers: float | None = None
+    # A small document's body must arrive within one read timeout plus its size at this rate
+    # (bytes/s): 256 KiB/s gives a 2 MB manifest 38 s and the largest one (64 MiB) under 5 min.
+    small_rate: float = 256 * 1024
+
+    @property
+    def headers_deadline(self) -> float:
+        return self.headers if self.headers is not None else self.connect + self.read
+
+    def small_body_deadline(self, size: int) -> float:
+        return self.read + size / self.small_rate
 
 
 def read_credentials(path: str) -> str:
@@ -75,22 +106,148 @@ def url_for(source: Source, *parts: str) -> str:
     return source.url.rstrip("/") + "/" + "/".join(quote(p, safe="/") for p in parts)
 
 
-def redact(url: str) -> str:
-    """A URL without user:password, for messages."""
-    return re.sub(r"//[^/@]*@", "//", url)
+# -- deadlines and stop events ---------------------------------------------------------------
+class _Watch:
+    """One request in flight as the watchdog sees it: when it must be done, the stop event that
+    ends it early, and the connection it runs on (set by ``_WatchedPool``)."""
+
+    def __init__(self, limit: float | None, what: str, stop: threading.Event | None) -> None:
+        self.limit = limit                  # seconds, for the message
+        self.what = what                    # what must arrive by then, for the message
+        self.deadline = None if limit is None else time.monotonic() + limit
+        self.stop = stop
+        self.conn: Any = None
+        self.cut: str | None = None         # "deadline" or "stopped", once cut
+        self.shut = False                   # its socket is shut down
+
+    def why(self) -> str:
+        if self.cut == "stopped":
+            return "stopped"
+        return f"{self.what} did not arrive within {self.limit:g} s"
 
 
+class _Watchdog:
+    """One thread cutting every request of the process that passed its deadline or whose stop
+    event is set: a blocked read then ends at once (EOF or an error)."""
+
+    TICK = 0.1          # how soon a stop event is seen, and a socket not made yet retried
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._watches: set[_Watch] = set()
+        self._thread: threading.Thread | None = None
+
+    def add(self, w: _Watch) -> None:
+        with self._cond:
+            self._watches.add(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="http-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def remove(self, w: _Watch) -> None:
+        with self._cond:
+            self._watches.discard(w)
+
+    def renew(self, w: _Watch, limit: float | None, what: str) -> None:
+        """The next phase of a request: ``limit`` seconds from now (None: no deadline)."""
+        with self._cond:
+            if w.cut is None:
+                w.limit, w.what = limit, what
+                w.deadline = None if limit is None else time.monotonic() + limit
+                self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                self._cond.wait(self._sweep(time.monotonic()))
+
+    def _sweep(self, now: float) -> float | None:
+        """Cut what is due; seconds until the next look (None: until something changes)."""
+        wait: float | None = None
+        for w in self._watches:
+            if w.cut is None:
+                if w.stop is not None and w.stop.is_set():
+                    w.cut = "stopped"
+                elif w.deadline is not None and now >= w.deadline:
+                    w.cut = "deadline"
+            if w.cut is not None and not w.shut:
+                w.shut = _shut_socket(getattr(w.conn, "sock", None))
+            for due in self._due(w, now):
+                wait = due if wait is None else min(wait, due)
+        return wait
+
+    def _due(self, w: _Watch, now: float) -> list[float]:
+        if w.cut is not None:
+            return [] if w.shut else [self.TICK]       # still connecting: no socket yet
+        due = [self.TICK] if w.stop is not None else []
+        if w.deadline is not None:
+            due.append(w.deadline - now)
+        return due
+
+
+_WATCHDOG = _Watchdog()
+_current = threading.local()        # .watch: the request this thread is making, if any
+
+
+class _WatchedPool:
+    """Gives the connection it hands out to the watch of the request this thread is making, so
+    that its socket can be shut down before any header has arrived."""
+
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn = super()._get_conn(timeout)  # type: ignore[misc]
+        w = getattr(_current, "watch", None)
+        if w is not None:
+            w.conn = conn
+        return conn
+
+
+class _HTTPPool(_WatchedPool, HTTPConnectionPool):
+    # Hook (agent/pull/sockets.py): each connection registers its socket once connected, so
+    # the backoff loop can clamp the pull's receive windows and read their TCP_INFO.
+    ConnectionCls = sockets.registering(HTTPConnection)
+
+
+class _HTTPSPool(_WatchedPool, HTTPSConnectionPool):
+    ConnectionCls = sockets.registering(HTTPSConnection)   # the same hook, after TLS
+
+
+_POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
+class _Adapter(HTTPAdapter):
+    """requests' adapter with watched pools, also behind an HTTP proxy (urllib3 1.26 and 2.x
+    both look pools up in ``pool_classes_by_scheme``)."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = _POOLS
+
+    def proxy_manager_for(self, proxy: str, **kwargs: Any) -> Any:
+        manager = super().proxy_manager_for(proxy, **kwargs)
+        if not proxy.lower().startswith("socks"):   # SOCKS managers need pools of their own
+            manager.pool_classes_by_scheme = _POOLS
+        return manager
+
+
+# -- the client ---------------------------------------------------------------------------------
 class Client:
-    """Requests to one source over one Session (one per stream: sessions aren't thread-safe)."""
+    """Requests to one source over one Session (one per stream: sessions aren't thread-safe).
 
-    def __init__(self, source: Source, timeouts: Timeouts) -> None:
+    ``stop``: once set, the request in flight is cut within ``_Watchdog.TICK``."""
+
+    def __init__(self, source: Source, timeouts: Timeouts,
+                 stop: threading.Event | None = None) -> None:
         self.source = source
         self.timeouts = timeouts
+        self.stop = stop
+        self._watches: set[_Watch] = set()
         s = requests.Session()
         # One connection per stream; requests' own retries are off (the engine retries, across
         # sources, with backoff).
-        s.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
-        s.mount("https://", HTTPAdapter(pool_connections=1, pool_maxsize=1, max_retries=0))
+        s.mount("http://", _Adapter(pool_connections=1, pool_maxsize=1, max_retries=0))
+        s.mount("https://", _Adapter(pool_connections=1, pool_maxsize=1, max_retries=0))
         s.headers["User-Agent"] = USER_AGENT
         s.headers["Accept-Encoding"] = "identity"     # byte ranges of the file, never of a gzip
         # Passed with every request: a session-level verify loses to REQUESTS_CA_BUNDLE and
@@ -104,24 +261,62 @@ class Client:
         self.session = s
 
     def close(self) -> None:
+        for w in self._watches:         # bodies dropped unread
+            _WATCHDOG.remove(w)
+        self._watches.clear()
         self.session.close()
 
     def _per_request(self) -> dict[str, Any]:
         return {"verify": self.verify, "proxies": self.proxies,
                 "timeout": (self.timeouts.connect, self.timeouts.read)}
 
-    def get_small(self, url: str, limit: int) -> bytes:
-        """A whole small document (manifest, ``latest``), at most ``limit`` bytes."""
+    def _watch(self) -> _Watch:
+        w = _Watch(self.timeouts.headers_deadline, "the response headers", self.stop)
+        self._watches.add(w)
+        _WATCHDOG.add(w)
+        return w
+
+    def _unwatch(self, w: _Watch) -> None:
+        _WATCHDOG.remove(w)
+        self._watches.discard(w)
+
+    def _get(self, url: str, w: _Watch, headers: dict[str, str] | None = None
+             ) -> requests.Response:
+        """The response's headers, in time, or FetchError (``w`` stays watched)."""
+        _current.watch = w
         try:
-            with self.session.get(url, stream=True, **self._per_request()) as r:
+            r = self.session.get(url, headers=headers, stream=True, **self._per_request())
+        except requests.RequestException as e:
+            raise FetchError(f"{redact(url)}: {_failure(w, e)}") from None
+        finally:
+            _current.watch = None
+        if w.cut is not None:
+            # Cut while the headers came: http.client takes EOF for their end, so this looks
+            # like a response, with the headers that made it in time.
+            r.close()
+            raise FetchError(f"{redact(url)}: {w.why()}")
+        return r
+
+    def get_small(self, url: str, limit: int) -> bytes:
+        """A whole small document (manifest, ``latest``), at most ``limit`` bytes once decoded."""
+        w = self._watch()
+        try:
+            with self._get(url, w) as r:
                 if r.status_code != 200:
                     raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
-                body = r.raw.read(limit + 1, decode_content=True)
-                if len(body) > limit:
-                    raise FetchError(f"{redact(url)}: larger than {limit} bytes")
+                _WATCHDOG.renew(w, self.timeouts.small_body_deadline(
+                    min(limit, _content_length(r) or limit)), "the body")
+                try:
+                    body = _read_small(r, url, limit)
+                except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    if w.cut is None and isinstance(e, FetchError):
+                        raise
+                    raise FetchError(f"{redact(url)}: {_failure(w, e)}") from None
+                if w.cut is not None:
+                    raise FetchError(f"{redact(url)}: {w.why()}")
                 return body
-        except requests.RequestException as e:
-            raise FetchError(f"{redact(url)}: {_why(e)}") from None
+        finally:
+            self._unwatch(w)
 
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
                total: int | None = None, meter: Meter | None = None
@@ -139,52 +334,63 @@ class Client:
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
         if etag and not etag.startswith("W/"):
             headers["If-Range"] = etag
+        w = self._watch()
         try:
-            r = self.session.get(url, headers=headers, stream=True, **self._per_request())
-        except requests.RequestException as e:
-            raise FetchError(f"{redact(url)}: {_why(e)}") from None
-        new_etag = r.headers.get("ETag")
-        try:
-            if r.status_code == 200:
-                if etag and new_etag != etag:
-                    raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
-                                       f"{new_etag})", new_etag)
-                raise FetchError(f"{redact(url)}: answered 200 (the whole file) to a Range "
-                                 "request; the source must serve byte ranges")
-            if r.status_code != 206:
-                raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
-            encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
-            if encoding != "identity":
-                # Despite "Accept-Encoding: identity": these would be bytes of a compressed
-                # stream, not of the file; say so rather than report a hash mismatch.
-                raise FetchError(f"{redact(url)}: sent Content-Encoding {encoding} for a byte "
-                                 "range; the source must serve files uncompressed (e.g. nginx: "
-                                 "gzip off for them)")
-            if etag and new_etag and new_etag != etag:
-                raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
-                                   f"{new_etag})", new_etag)
-            m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
-            if not m or int(m.group(1)) != offset or int(m.group(2)) != offset + size - 1:
-                raise FetchError(f"{redact(url)}: Content-Range "
-                                 f"{r.headers.get('Content-Range')!r} is not the range asked "
-                                 f"for (bytes {offset}-{offset + size - 1})")
-            if total is not None and m.group(3) not in ("*", str(total)):
-                raise FetchError(f"{redact(url)}: the source's file has {m.group(3)} bytes, the "
-                                 f"manifest says {total}: it serves another version of the file")
-            length = r.headers.get("Content-Length")
-            if length is not None and length.strip() != str(size):
-                raise FetchError(f"{redact(url)}: Content-Length {length} for a range of {size} "
-                                 "bytes")
+            r = self._get(url, w, headers)
         except BaseException:
+            self._unwatch(w)
+            raise
+        # The body's pace is the goodput meter's to judge; the stop event still holds.
+        _WATCHDOG.renew(w, None, "the body")
+        try:
+            new_etag = self._check_range(r, url, offset, size, etag, total)
+        except BaseException:
+            self._unwatch(w)
             r.close()
             raise
         if meter is not None:
             meter.abort = lambda: _shut_down(r)
-        return new_etag, self._body(r, url, size, chunk, meter)
+        return new_etag, self._body(r, url, size, chunk, meter, w)
 
     @staticmethod
-    def _body(r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None
-              ) -> Generator[memoryview, None, None]:
+    def _check_range(r: requests.Response, url: str, offset: int, size: int,
+                     etag: str | None, total: int | None) -> str | None:
+        """The response's ETag, once its status and framing are those of the range asked for."""
+        new_etag = r.headers.get("ETag")
+        if r.status_code == 200:
+            if etag and new_etag != etag:
+                raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
+                                   f"{new_etag})", new_etag)
+            raise FetchError(f"{redact(url)}: answered 200 (the whole file) to a Range "
+                             "request; the source must serve byte ranges")
+        if r.status_code != 206:
+            raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            # Despite "Accept-Encoding: identity": these would be bytes of a compressed
+            # stream, not of the file; say so rather than report a hash mismatch.
+            raise FetchError(f"{redact(url)}: sent Content-Encoding {encoding} for a byte "
+                             "range; the source must serve files uncompressed (e.g. nginx: "
+                             "gzip off for them)")
+        if etag and new_etag and new_etag != etag:
+            raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
+                               f"{new_etag})", new_etag)
+        m = _CONTENT_RANGE.match(r.headers.get("Content-Range", ""))
+        if not m or int(m.group(1)) != offset or int(m.group(2)) != offset + size - 1:
+            raise FetchError(f"{redact(url)}: Content-Range "
+                             f"{r.headers.get('Content-Range')!r} is not the range asked "
+                             f"for (bytes {offset}-{offset + size - 1})")
+        if total is not None and m.group(3) not in ("*", str(total)):
+            raise FetchError(f"{redact(url)}: the source's file has {m.group(3)} bytes, the "
+                             f"manifest says {total}: it serves another version of the file")
+        length = r.headers.get("Content-Length")
+        if length is not None and length.strip() != str(size):
+            raise FetchError(f"{redact(url)}: Content-Length {length} for a range of {size} "
+                             "bytes")
+        return new_etag
+
+    def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
+              w: _Watch) -> Generator[memoryview, None, None]:
         """The body in chunks, each a view of one buffer reused for the next (use it at once).
 
         The bytes are read straight from http.client's response into that buffer when urllib3
@@ -211,12 +417,15 @@ class Client:
                 except Exception as e:  # urllib3 raises several unrelated types mid-body
                     if meter is not None and meter.abandoned:
                         raise FetchError(meter.abandoned) from None
-                    raise FetchError(f"{redact(url)}: {_why(e)} after {size - left} of {size} "
-                                     "bytes") from None
+                    raise FetchError(f"{redact(url)}: {_failure(w, e)} after {size - left} of "
+                                     f"{size} bytes") from None
                 if meter is not None:
                     meter.end(n)
                     if meter.abandoned:
                         raise FetchError(meter.abandoned)
+                if w.cut is not None:
+                    raise FetchError(f"{redact(url)}: {w.why()} after {size - left} of {size} "
+                                     "bytes")
                 if not n:
                     raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
                                      "bytes")
@@ -232,14 +441,78 @@ class Client:
                     raise FetchError(f"{redact(url)}: sent more bytes than the {size} asked for")
             complete = True
         finally:
+            # Unwatched first: once back in the pool, the connection is the next request's.
+            self._unwatch(w)
             if meter is not None and meter.close():
                 complete = False            # cut: its socket is shut down, never to be reused
+            if w.shut:
+                complete = False
             if complete and readinto is not None and fp.isclosed():
                 # Read to its Content-Length by http.client: the connection is clean for the
                 # next request; hand it back to the pool instead of closing it.
                 r.raw.release_conn()
             else:
                 r.close()
+
+
+def _content_length(r: requests.Response) -> int | None:
+    value = r.headers.get("Content-Length", "").strip()
+    return int(value) if value.isdigit() and len(value) < 20 else None
+
+
+def _read_small(r: requests.Response, url: str, limit: int) -> bytes:
+    """The body, decoded, refused beyond ``limit`` bytes. Read raw and inflated here in bounded
+    steps: urllib3 1.26 inflates a whole read at once (a 2 MB gzip bomb grew to 4 GB)."""
+    encoding = (r.headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding in ("identity", ""):
+        inflater = None
+    elif encoding in ("gzip", "x-gzip", "deflate"):
+        inflater = _Inflater()
+    else:
+        raise FetchError(f"{redact(url)}: sent Content-Encoding {encoding!r}, which wagent does "
+                         "not decode; serve it uncompressed (or gzip)")
+    out = bytearray()
+    received = 0
+    while data := r.raw.read(_SMALL_READ, decode_content=False):
+        received += len(data)
+        if inflater is not None:
+            try:
+                data = inflater.feed(data, limit + 1 - len(out))
+            except zlib.error as e:
+                raise FetchError(f"{redact(url)}: its {encoding} body can't be decoded ({e})"
+                                 ) from None
+        out += data
+        if len(out) > limit or received > limit:
+            raise FetchError(f"{redact(url)}: larger than {limit} bytes")
+    if inflater is not None and inflater.truncated:
+        raise FetchError(f"{redact(url)}: its {encoding} body ends half way")
+    return bytes(out)
+
+
+class _Inflater:
+    """gzip or zlib decoding (either header, detected) that never produces more than it is
+    asked for; gzip members may follow one another, as urllib3 accepts."""
+
+    def __init__(self) -> None:
+        self._d = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        self._fed = False               # the current member has had input
+
+    @property
+    def truncated(self) -> bool:
+        return self._fed and not self._d.eof
+
+    def feed(self, data: bytes, room: int) -> bytes:
+        """What ``data`` decodes to, at most ``room`` bytes (more would be refused anyway)."""
+        out = bytearray()
+        while data and len(out) < room:
+            self._fed = True
+            out += self._d.decompress(data, room - len(out))
+            if self._d.eof:
+                data = self._d.unused_data
+                self._d, self._fed = zlib.decompressobj(zlib.MAX_WBITS | 32), False
+            else:
+                data = self._d.unconsumed_tail
+        return bytes(out)
 
 
 def _shut_down(r: requests.Response) -> None:
@@ -250,9 +523,22 @@ def _shut_down(r: requests.Response) -> None:
         # http.client's own file object: its socket wrapper holds the socket.
         fp = getattr(getattr(r.raw, "_fp", None), "fp", None)
         sock = getattr(getattr(fp, "raw", None), "_sock", None)
-    if isinstance(sock, socket.socket):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+    _shut_socket(sock)
+
+
+def _shut_socket(sock: object) -> bool:
+    """Shut a socket down for both directions; False if there is none (yet)."""
+    if not isinstance(sock, socket.socket):
+        return False
+    with contextlib.suppress(OSError):
+        # socket.socket's own shutdown, also for TLS: SSLSocket's drops its TLS state, which a
+        # read in another thread may be using right now.
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    return True
+
+
+def _failure(w: _Watch, e: BaseException) -> str:
+    return w.why() if w.cut is not None else _why(e)
 
 
 def _why(e: BaseException) -> str:

@@ -72,6 +72,10 @@ class _Stale(Exception):
     """The file was restarted under this request: drop what it carries."""
 
 
+class _Mismatch(FetchError):
+    """A piece's bytes don't hash to the manifest's sha256."""
+
+
 @dataclass
 class FileState:
     blob: str                       # its blob id (agent.blob_id): the key of files and requests
@@ -118,6 +122,9 @@ class Transfer:
         self.on_file = on_file
         self.clock = clock
         self.meters: set[Meter] = set()       # requests whose bodies are being read (under cond)
+        # Sources whose ETags were seen to disagree (index -> what was seen): they are sent no
+        # If-Range any more, their pieces' sha256 alone judge their bytes (under cond).
+        self.etags_ignored: dict[int, str] = {}
         self.cond = threading.Condition()
         self.active = 0
         self.error: PullError | None = None
@@ -304,11 +311,6 @@ class Transfer:
         while pieces:
             before = len(pieces)
             order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
-            order = [i for i in order if i not in f.changed_on]
-            if not order:
-                raise PullError(f"{f.path} changed on every source during the pull (its ETag "
-                                "changed); its partial was discarded: pull again to get the "
-                                "current manifest")
             for i in order:
                 if not pieces:
                     return i
@@ -316,7 +318,8 @@ class Transfer:
                     return preferred
                 client = clients.get(i)
                 if client is None:
-                    client = clients[i] = Client(self.sources[i], self.s.timeouts)
+                    # With the stop event: a stop cuts the request in flight at once.
+                    client = clients[i] = Client(self.sources[i], self.s.timeouts, self.stop)
                 try:
                     with self.cond:
                         self.streams_busy += 1
@@ -328,10 +331,6 @@ class Transfer:
                     if not pieces or self.stop.is_set():
                         return i
                 except _Stale:
-                    return preferred
-                except ChangedError as e:
-                    log.warning("%s", e)
-                    self._restart_file(f, generation, i)
                     return preferred
                 except FetchError as e:
                     log.info("piece fetch failed, trying the next source: %s", e)
@@ -356,22 +355,38 @@ class Transfer:
         chunk = self.bucket.chunk_size(self.s.chunk) if self.bucket else self.s.chunk
         chunk = self.s.floor.max_read(chunk)
         key = redact(source.url)          # the journal is no place for credentials
-        etag = f.partial.etags.get(key)
+        with self.cond:
+            trusted = si not in self.etags_ignored
+        etag = f.partial.etags.get(key) if trusted else None
         meter = Meter(self.s.floor, self.clock, key, f"{f.path} bytes {offset}+{size}") \
             if self.s.floor.enabled else None
-        new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size, meter=meter)
-        if new_etag and not etag:
+        try:
+            new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size,
+                                           meter=meter)
+        except ChangedError as e:
+            # Not the ETag recorded for the file: it changed, or the source is backends with
+            # an ETag each for the same bytes. The pieces' sha256 tell which, so this costs no
+            # verified piece: the request goes again, without If-Range.
+            self._ignore_etags(si, f"{f.path}: ETag {etag} -> {e.etag}")
+            new_etag, body = client.ranged(url, offset, size, None, chunk, total=f.size,
+                                           meter=meter)
+        if new_etag and not etag and trusted:
             # Another stream may have recorded the file's ETag since this request left.
             known = f.partial.record_etag(key, new_etag)
             if known != new_etag:
-                body.close()
-                raise ChangedError(f"{redact(url)} changed on the source (ETag {known} -> "
-                                   f"{new_etag})", new_etag)
+                self._ignore_etags(si, f"{f.path}: ETag {known} -> {new_etag}")
         if meter is not None:
             with self.cond:
                 self.meters.add(meter)
         try:
             self._receive(url, f, body, pieces, offset, generation)
+        except _Mismatch as e:
+            with self.cond:
+                seen = self.etags_ignored.get(si)
+            if seen is None:
+                raise
+            raise FetchError(f"{e}, and the source's ETags changed ({seen}): the file changed "
+                             "on the source; pull again for the current manifest") from None
         finally:
             if meter is not None:
                 with self.cond:
@@ -406,8 +421,8 @@ class Transfer:
                 if left:
                     continue
                 if h.hexdigest() != piece.sha256:
-                    raise FetchError(f"{url}: bytes {piece.offset}+{piece.size} do not match "
-                                     "their sha256 in the manifest")
+                    raise _Mismatch(f"{redact(url)}: bytes {piece.offset}+{piece.size} do not "
+                                    "match their sha256 in the manifest")
                 f.partial.sync()
                 self._piece_done(f, piece, generation)
                 pieces.popleft()
@@ -415,6 +430,17 @@ class Transfer:
                     piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
             if self.stop.is_set() or self.error is not None:
                 return
+
+    def _ignore_etags(self, si: int, seen: str) -> None:
+        """Source ``si`` gave two ETags for one file: no more If-Range to it (every answer
+        would be the whole file), and no verified piece discarded on its word."""
+        with self.cond:
+            if si in self.etags_ignored:
+                return
+            self.etags_ignored[si] = seen
+        log.warning("source %s: ETags disagree (%s), a file that changed or backends with their "
+                    "own ETags for the same bytes; ignoring its ETags, every piece is still "
+                    "verified against the manifest", redact(self.sources[si].url), seen)
 
     def _restart_file(self, f: FileState, generation: int, source_index: int) -> None:
         """The file changed on a source: forget its partial and fetch it all again, elsewhere."""
