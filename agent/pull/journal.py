@@ -161,14 +161,6 @@ class Partial:
         with self._lock:
             self.done = {o: v for o, v in self.done.items() if o in offsets}
 
-    def discard(self) -> None:
-        """Forget every piece (the file changed on the source): the part is started over."""
-        with self._lock:
-            os.ftruncate(self._jfd, 0)
-            os.write(self._jfd, f"{MAGIC} {self.name} {self.size}\n".encode())
-            self.done.clear()
-            self.etags.clear()
-
     def finish(self) -> Path:
         """Sync and close the part file; returns it, ready to be moved into blobs/. The journal
         (and its lock) stays until ``drop_journal``, once the file is a blob."""

@@ -11,16 +11,17 @@ stream that landed it. The thread that runs the transfer also watches every requ
 (``goodput.Meter``: time waiting for the bucket doesn't count) and breaks the connection of one
 that trickles under the floor.
 
-Bytes are written before their piece is verified, so at most one writer may own a piece's bytes at
-a time: a file restarted (its ETag changed) first waits for the writes in flight to end, and a
-stream whose file was restarted drops its request before its next write. Pieces copied from local
-blobs are verified too (read back from the partial): a blob that rotted on disk is fetched instead.
+Bytes are written before their piece is verified, so one writer owns a piece's bytes at a time:
+the stream holding its request (which retries it on the next source), or the copier, which hands a
+piece it could not copy to the streams. Verified pieces are never discarded: the pieces' sha256
+are the authority on bytes, an ETag only a hint (a source whose ETags disagree is sent no more
+If-Range). Pieces copied from local blobs are verified too (read back from the partial): a blob
+that rotted on disk is fetched instead.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import hashlib
 import logging
@@ -29,7 +30,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from agent import hashing
 from agent.manifest import Piece
@@ -68,10 +69,6 @@ class PullStopped(PullError):
     """The pull was asked to stop; partial files are kept for the next pull."""
 
 
-class _Stale(Exception):
-    """The file was restarted under this request: drop what it carries."""
-
-
 class _Mismatch(FetchError):
     """A piece's bytes don't hash to the manifest's sha256."""
 
@@ -85,9 +82,6 @@ class FileState:
     pieces: tuple[Piece, ...]
     partial: Partial
     remaining: int
-    generation: int = 0
-    changed_on: set[int] = field(default_factory=set)   # sources whose file no longer matches
-    writers: int = 0                # writes into the partial in flight (under Transfer.cond)
 
 
 @dataclass(frozen=True)
@@ -200,9 +194,7 @@ class Transfer:
                 self.error = error
             self.cond.notify_all()
 
-    def _next(self) -> tuple[Request, int] | None:
-        """The next request and its file's generation, read together: a request queued before
-        a restart must not pass for one of the new generation."""
+    def _next(self) -> Request | None:
         with self.cond:
             while not self.queue and self.active > 0 and self.error is None \
                     and not self.stop.is_set():
@@ -210,8 +202,7 @@ class Transfer:
             if not self.queue or self.error is not None or self.stop.is_set():
                 return None
             self.active += 1
-            req = self.queue.popleft()
-            return req, self.files[req.blob].generation
+            return self.queue.popleft()
 
     def _release(self) -> None:
         with self.cond:
@@ -232,26 +223,17 @@ class Transfer:
                         src = open_blobs[c.blob] = os.open(
                             self.store.blob_path(c.blob),
                             os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-                    with self.cond:
-                        generation = f.generation
-                        if generation or f.remaining == 0:
-                            continue          # restarted: its pieces are all fetched now
-                        f.writers += 1
-                    try:
-                        good = copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset,
-                                          c.piece.size) == c.piece.size \
-                            and hashing.fd_range_sha256(f.partial.fd, c.piece.offset,
-                                                        c.piece.size) == c.piece.sha256
-                    finally:
-                        self._wrote(f, generation)
+                    good = copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset,
+                                      c.piece.size) == c.piece.size \
+                        and hashing.fd_range_sha256(f.partial.fd, c.piece.offset,
+                                                    c.piece.size) == c.piece.sha256
                     if not good:
-                        self._fetch_instead(f, c, generation)
+                        self._fetch_instead(f, c)
                         continue
                     f.partial.sync()
                     with self.cond:
                         self.reused += c.piece.size
-                    with contextlib.suppress(_Stale):
-                        self._piece_done(f, c.piece, generation)
+                    self._piece_done(f, c.piece)
             finally:
                 for fd in open_blobs.values():
                     os.close(fd)
@@ -262,30 +244,22 @@ class Transfer:
         finally:
             self._release()
 
-    def _fetch_instead(self, f: FileState, c: Copy, generation: int) -> None:
+    def _fetch_instead(self, f: FileState, c: Copy) -> None:
         log.warning("local blob %s does not hold the bytes its manifest says at %d (+%d): it is "
                     "damaged; fetching the piece for %s instead", c.blob, c.blob_offset,
                     c.piece.size, f.path)
         with self.cond:
-            if f.generation == generation:
-                self.queue.append(Request(f.blob, (c.piece,)))
-                self.cond.notify_all()
-
-    def _wrote(self, f: FileState, generation: int) -> None:
-        with self.cond:
-            f.writers -= 1
-            if f.writers == 0 and f.generation != generation:
-                self.cond.notify_all()      # a restart is waiting for the writes to end
+            self.queue.append(Request(f.blob, (c.piece,)))
+            self.cond.notify_all()
 
     # -- streams --------------------------------------------------------------------------------
     def _stream(self, index: int) -> None:
         clients: dict[int, Client] = {}
         preferred = 0
         try:
-            while (job := self._next()) is not None:
-                req, generation = job
+            while (req := self._next()) is not None:
                 try:
-                    preferred = self._fetch(req, generation, clients, preferred)
+                    preferred = self._fetch(req, clients, preferred)
                 except PullError as e:
                     self._fail(e)
                 except CredentialsError as e:
@@ -301,8 +275,7 @@ class Transfer:
             for c in clients.values():
                 c.close()
 
-    def _fetch(self, req: Request, generation: int, clients: dict[int, Client],
-               preferred: int) -> int:
+    def _fetch(self, req: Request, clients: dict[int, Client], preferred: int) -> int:
         f = self.files[req.blob]
         # Landed pieces leave from the front: a deque, as a request may hold thousands.
         pieces = collections.deque(req.pieces)
@@ -324,14 +297,12 @@ class Transfer:
                     with self.cond:
                         self.streams_busy += 1
                     try:
-                        self._fetch_from(i, client, f, pieces, generation)
+                        self._fetch_from(i, client, f, pieces)
                     finally:
                         with self.cond:
                             self.streams_busy -= 1
                     if not pieces or self.stop.is_set():
                         return i
-                except _Stale:
-                    return preferred
                 except FetchError as e:
                     log.info("piece fetch failed, trying the next source: %s", e)
                     failures.append(str(e))
@@ -346,8 +317,8 @@ class Transfer:
                 return preferred
         return preferred
 
-    def _fetch_from(self, si: int, client: Client, f: FileState, pieces: collections.deque[Piece],
-                    generation: int) -> None:
+    def _fetch_from(self, si: int, client: Client, f: FileState,
+                    pieces: collections.deque[Piece]) -> None:
         source = self.sources[si]
         offset = pieces[0].offset
         size = sum(p.size for p in pieces)
@@ -379,7 +350,7 @@ class Transfer:
             with self.cond:
                 self.meters.add(meter)
         try:
-            self._receive(url, f, body, pieces, offset, generation)
+            self._receive(url, f, body, pieces, offset)
         except _Mismatch as e:
             with self.cond:
                 seen = self.etags_ignored.get(si)
@@ -394,7 +365,7 @@ class Transfer:
             body.close()
 
     def _receive(self, url: str, f: FileState, body: Generator[memoryview, None, None],
-                 pieces: collections.deque[Piece], pos: int, generation: int) -> None:
+                 pieces: collections.deque[Piece], pos: int) -> None:
         piece = pieces[0]
         h = hashlib.sha256()
         left = piece.size
@@ -404,13 +375,7 @@ class Transfer:
                 self.bucket.consume(n, self.stop)
             with self.cond:
                 self.fetched += n
-                if f.generation != generation:
-                    raise _Stale
-                f.writers += 1
-            try:
-                f.partial.write(pos, data)
-            finally:
-                self._wrote(f, generation)
+            f.partial.write(pos, data)
             pos += n
             view = memoryview(data)
             while view:
@@ -424,7 +389,7 @@ class Transfer:
                     raise _Mismatch(f"{redact(url)}: bytes {piece.offset}+{piece.size} do not "
                                     "match their sha256 in the manifest")
                 f.partial.sync()
-                self._piece_done(f, piece, generation)
+                self._piece_done(f, piece)
                 pieces.popleft()
                 if pieces:
                     piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
@@ -442,30 +407,10 @@ class Transfer:
                     "own ETags for the same bytes; ignoring its ETags, every piece is still "
                     "verified against the manifest", redact(self.sources[si].url), seen)
 
-    def _restart_file(self, f: FileState, generation: int, source_index: int) -> None:
-        """The file changed on a source: forget its partial and fetch it all again, elsewhere."""
+    def _piece_done(self, f: FileState, piece: Piece) -> None:
         with self.cond:
-            f.changed_on.add(source_index)
-            if f.generation != generation:
-                return                    # another stream restarted it already
-            f.generation += 1
-            others = [r for r in self.queue if r.blob != f.blob]
-            self.queue.clear()
-            self.queue.extend(others)
-            while f.writers:              # old bytes still being written: let them land first
-                self.cond.wait()
-            self.verified -= sum(s for s, _ in f.partial.done.values())
-            f.partial.discard()
-            f.remaining = len(f.pieces)
-            self.queue.extendleft(reversed([Request(f.blob, (p,)) for p in f.pieces]))
-            self.cond.notify_all()
-
-    def _piece_done(self, f: FileState, piece: Piece, generation: int) -> None:
-        with self.cond:
-            if f.generation != generation:
-                raise _Stale
             if piece.offset in f.partial.done:
-                return                    # landed twice (restart races): count it once
+                return                    # landed twice: count it once
             f.partial.record_piece(piece.offset, piece.size, piece.sha256)
             self.verified += piece.size
             f.remaining -= 1
