@@ -1,13 +1,14 @@
 """Builds the daemon's parts from a Policy and passes them in; nothing reaches for globals.
 
 :class:`Application` is the one place that knows which module does what: the store, the
-token bucket, the shaper (when the policy enables shaping), the backoff loop, the puller, the
-control socket and the metrics. :class:`agent.daemon.Daemon` drives it: ``start``,
-``reconcile`` on reload, ``snapshot`` for status (built by ``agent.snapshot``), ``stop``.
+token bucket, the shaper (when the policy enables shaping), the backoff loop, the pull worker,
+the scheduler (APScheduler: every timed job of the daemon), the control socket and the metrics.
+:class:`agent.daemon.Daemon` drives it: ``start``, ``reconcile`` on reload, ``snapshot`` for
+status (built by ``agent.snapshot``), ``stop``.
 
 Reload is mark-and-sweep (fail2ban's model): every part is marked, the new policy is replayed
 part by part (shaping re-applied in place, so the kernel never goes unshaped; the backoff loop
-restarted with the new thresholds; the puller rescheduled), and what the new policy no longer
+restarted with the new thresholds; the models' jobs rescheduled), and what the new policy no longer
 declares is swept: interfaces dropped from ``shaping.interfaces`` get their caps cleared, models
 dropped from ``models`` stop pulling, a moved control socket or metrics port is re-opened.
 """
@@ -25,22 +26,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agent import schedule
-from agent.control import ControlServer
+from agent import announce, schedule
+from agent.control import ControlServer, prepare_socket_dir, trusted_uids
 from agent.identity import ROLE_OVERRIDE, Identity, identify
-from agent.manifest import published_ts
+from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
 from agent.policy import load_policy
 from agent.policy_model import Model, Policy
-from agent.puller import Progress, Puller, PullerDeps, Window
+from agent.pull.worker import Progress, Window, Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
+from agent.scheduler import Scheduler
 from agent.snapshot import snapshot
 from agent.status import DaemonState
-from agent.store import Store, StoreError
+from agent.store import Store, StoreError, pointers, space
 
 log = logging.getLogger(__name__)
 
 VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (see _verify_shaping)
+CLEAN_EVERY = 3600.0    # seconds between the store's cleanings and evictions (also after pulls)
+METRICS_EVERY = 5.0     # seconds between metrics updates (the textfile, the exporter's gauges)
 # The state dir holds what to restore on `shaping clear`: no one else writes or reads it. The
 # store is read by nginx on a cache node (its models/ tree is served as is), so others may read.
 STATE_MODE = 0o750
@@ -66,13 +70,14 @@ def make_private_dir(path: str, mode: int) -> None:
 @dataclass
 class Parts:
     """Everything the daemon runs for one policy. Mutable: reconcile updates it in place, and
-    the puller's functions read ``parts.policy`` at call time, so they follow reloads."""
+    the worker's functions read ``parts.policy`` at call time, so they follow reloads."""
 
     policy: Policy
     identity: Identity
     store: Store
     bucket: TokenBucket
-    puller: Puller
+    worker: Worker
+    scheduler: Scheduler
     shaper: Any | None = None
     backoff: Any | None = None
     control: ControlServer | None = None
@@ -80,9 +85,9 @@ class Parts:
     ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
     shaping_notes: tuple[str, ...] = ()  # what the last apply said
     metrics_error: str | None = None
+    metrics_failures: int = 0            # metrics updates that failed (a new reason each)
     shaping_error: str | None = None     # the last periodic re-apply failed (status: degraded)
     shaping_repairs: int = 0             # times the periodic re-apply found the kernel changed
-    verify_at: float = 0.0               # monotonic time of the next re-apply
     # The shaper's netlink socket is used from the backoff thread, the main loop and control
     # threads: one at a time.
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -120,7 +125,8 @@ class Application:
 
     # -- start / stop -------------------------------------------------------------------------
     def start(self, policy: Policy, controller: Any) -> Parts:
-        """Control socket, store, shaping (READY waits for it), backoff, puller, metrics.
+        """Control socket, store, shaping (READY waits for it), backoff, the pull worker on the
+        scheduler, metrics.
 
         The control socket is bound first: its lock is what tells a second ``wagent run`` that
         a daemon is live, and that one must refuse before it touches the kernel or the store.
@@ -131,20 +137,26 @@ class Application:
             store = Store(policy.store.path)
             make_private_dir(policy.store.path, STORE_MODE)
             store.ensure()
+            # What a crash left (a version half built, partial files nobody resumes) goes now,
+            # not at the next pull: a node with nothing to pull must not keep it for ever.
+            space.clean(store, self.clock())
             make_private_dir(policy.state_dir, STATE_MODE)
         except BaseException:
             control.stop()
             raise
         bucket = TokenBucket(policy.pulls.rate)
         parts = Parts(policy=policy, identity=self.identify(policy), store=store, bucket=bucket,
-                      puller=None, control=control)  # type: ignore[arg-type]
-        parts.puller = Puller(policy, self._puller_deps(parts))
+                      worker=None, scheduler=Scheduler(),  # type: ignore[arg-type]
+                      control=control)
+        parts.worker = Worker(policy, self._worker_deps(parts))
         try:
             self._apply_shaping(parts, policy)
             self._start_backoff(parts)
-            parts.puller.start()
+            parts.scheduler.start()
+            parts.worker.start(parts.scheduler)
             control.start()
             parts.metrics = self._start_metrics(parts, policy)
+            self._schedule_housekeeping(parts, controller)
         except BaseException:
             self.stop(parts, 2.0)
             raise
@@ -158,8 +170,10 @@ class Application:
         if parts is None:
             return
         deadline = time.monotonic() + budget
-        if parts.puller is not None:
-            parts.puller.stop(max(0.1, deadline - time.monotonic() - 0.5))
+        if parts.worker is not None:
+            parts.worker.stop()
+        # The jobs end with their pulls (stopped just now); wait no longer than the budget.
+        _join_within(parts.scheduler.shutdown, max(0.1, deadline - time.monotonic() - 0.5))
         if parts.backoff is not None:
             parts.backoff.stop(max(0.1, min(1.0, deadline - time.monotonic())))
         if parts.control is not None:
@@ -170,6 +184,9 @@ class Application:
     # -- reload: mark and sweep ---------------------------------------------------------------
     def reconcile(self, parts: Parts, new: Policy) -> Parts:
         old = parts.policy
+        if new.control != old.control:
+            # Refused before anything changes: the old socket keeps serving.
+            prepare_socket_dir(new.control.socket, trusted_uids())
         if new.store.path != old.store.path:
             store = Store(new.store.path)
             make_private_dir(new.store.path, STORE_MODE)
@@ -183,7 +200,9 @@ class Application:
         parts.policy = new
         parts.identity = self.identify(new)
         self._reconcile_backoff(parts, old, had_shaper)
-        parts.puller.update(new)
+        parts.worker.update(new)
+        if parts.control is not None:
+            self._schedule_housekeeping(parts, parts.control.controller)
         if parts.control is not None and (new.control != old.control):
             controller = parts.control.controller
             parts.control.stop()
@@ -252,11 +271,15 @@ class Application:
         same_shape = (had_shaper == (parts.shaper is not None)
                       and new.shaping.interfaces == old.shaping.interfaces)
         if loop is not None and new.backoff.enabled and same_shape:
-            if new.backoff != old.backoff:
+            if new.backoff != old.backoff or new.shaping.link_rate != old.shaping.link_rate:
+                from agent.pull.sockets import REGISTRY
+
+                loop.controller.link = new.shaping.link_rate
                 loop.controller.backoff = new.backoff
+                REGISTRY.budget_s = new.backoff.queue_budget
                 loop.detectors = Detectors.from_policy(new.backoff, new.shaping.interfaces,
                                                        link=loop.distribution is not None)
-                loop.tick_s = max(0.1, float(new.backoff.tick))
+                loop.tick_s = max(0.01, float(new.backoff.tick))
             loop.controller.set_cap(cap_for(new))
             return
         if loop is not None:
@@ -279,6 +302,11 @@ class Application:
                 assert parts.shaper is not None
                 return parts.shaper.stats()
 
+        def counters() -> Any:
+            with parts.lock:
+                assert parts.shaper is not None
+                return parts.shaper.counters()
+
         class _Shaper:
             """The shaper the loop sees: always the current one (a reload replaces it), and
             the ceil it sets is recorded for status."""
@@ -286,21 +314,28 @@ class Application:
             def __init__(self) -> None:
                 self.set_ceil = set_ceil
                 self.stats = stats
+                self.counters = counters
 
         shaper = _Shaper() if parts.shaper is not None else None
         parts.backoff = start_for_pull(
             parts.policy, parts.bucket, shaper,
-            bytes_read=lambda: sum(parts.puller.fetched_totals().values()))
+            bytes_read=lambda: sum(parts.worker.fetched_totals().values()))
 
-    # -- the puller's view of the world -------------------------------------------------------
-    def _puller_deps(self, parts: Parts) -> PullerDeps:
+    # -- the pull worker's view of the world----------------------------------------------------
+    def _worker_deps(self, parts: Parts) -> WorkerDeps:
         from agent.pull import engine  # imports requests: only where pulls happen
 
         def options() -> Any:
             return engine.PullOptions.from_policy(parts.policy.pulls)
 
+        def cache_node() -> bool:
+            return parts.identity.role == parts.policy.cache_role
+
         def resolve(model: Model) -> str:
-            return engine.resolve_latest(parts.policy.sources, model.name, options())
+            # A cache node polls past the cache tier (sources marked `cache: true`): there it
+            # would read its own announcement and never learn of a new version.
+            sources = announce.latest_sources(parts.policy.sources, cache_node())
+            return engine.resolve_latest(sources, model.name, options())
 
         def published(model: Model, version: str) -> float:
             _, manifest = engine.fetch_manifest(parts.policy.sources, model.name, version,
@@ -340,21 +375,48 @@ class Application:
                 progress(Progress(done=p.bytes_done, total=p.bytes_total, streams=p.streams,
                                   fetched=p.bytes_fetched, rate_bps=p.rate * 8))
 
+            # Models pulling at once share the node's streams (and its token bucket).
+            o = options()
+            o = replace(o, streams=max(1, o.streams // max(1, parts.worker.pulling())))
             engine.pull_version(parts.policy.sources, model.name, version, parts.store,
-                                options=options(), bucket=parts.bucket, progress=report,
-                                stop=stop)
+                                options=o, bucket=parts.bucket, progress=report, stop=stop)
+            # Issue 15: a cache node's nginx serves its store, so it now names the version in
+            # {model}/latest (published and durable by now; never an older one): its cluster
+            # polls it rather than the origin. The pull itself succeeded whatever happens here.
+            if cache_node():
+                try:
+                    announce.announce(parts.store.root, model.name, version)
+                except OSError as e:
+                    log.error("announcing %s %s in %s failed: %s", model.name, version,
+                              parts.store.root, e)
 
-        def evict() -> None:
-            p = parts.policy
-            removed = parts.store.evict(
-                keep=p.store.keep_versions, pins={m.name: m.pin for m in p.models},
-                max_size=p.store.max_size, now=self.clock(), evict_after=p.store.evict_after)
-            for r in removed:
-                log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
+        def ready(model: Model, version: str) -> None:
+            if pointers.set_current(parts.store, model.name, version):
+                log.info("%s %s is current", model.name, version)
 
-        return PullerDeps(clock=self.clock, resolve=resolve, published=published,
+        def stall_after() -> float:
+            # The longest wait the deadlines allow without a byte moving, and a minute more:
+            # the largest manifest at its slowest, or a request cut at its headers deadline or
+            # by the goodput floor followed by the longest backoff.
+            o = options()
+            t = o.timeouts
+            return 60.0 + t.headers_deadline + max(
+                t.small_body_deadline(MAX_MANIFEST_BYTES),
+                o.goodput_grace + o.goodput_window + o.backoff_cap)
+
+        return WorkerDeps(clock=self.clock, resolve=resolve, published=published,
                           schedule=plan, window=window, have=have,
-                          local_version=local_version, pull=pull, evict=evict)
+                          local_version=local_version, pull=pull,
+                          evict=lambda: self._evict(parts), ready=ready,
+                          stall_after=stall_after)
+
+    def _evict(self, parts: Parts) -> None:
+        p = parts.policy
+        removed = space.evict(
+            parts.store, keep=p.store.keep_versions, pins={m.name: m.pin for m in p.models},
+            max_size=p.store.max_size, now=self.clock(), evict_after=p.store.evict_after)
+        for r in removed:
+            log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
 
     def _first_seen(self, parts: Parts, model: str, version: str) -> float:
         """When this node first learned of a version, kept in the state directory so that the
@@ -374,7 +436,7 @@ class Application:
 
     # -- the daemon's tick --------------------------------------------------------------------
     def workers(self, parts: Parts) -> dict[str, bool]:
-        alive = {"puller": parts.puller.alive()}
+        alive = {"scheduler": parts.scheduler.alive()}
         if parts.backoff is not None:
             probe = getattr(parts.backoff, "alive", None)   # BackoffLoop.alive(), once it lands
             if probe is not None:
@@ -389,15 +451,11 @@ class Application:
     def error_counts(self, parts: Parts | None) -> dict[str, int]:
         if parts is None:
             return {}
-        counts = {"pull": parts.puller.failures_total,
+        counts = {"pull": parts.worker.failures_total, "metrics": parts.metrics_failures,
                   "shaping_repairs": parts.shaping_repairs}
         if parts.backoff is not None:
             counts["backoff_apply"] = parts.backoff.apply_errors
         return counts
-
-    def supervise(self, parts: Parts) -> None:
-        parts.puller.supervise()
-        self._verify_shaping(parts)
 
     def _verify_shaping(self, parts: Parts) -> None:
         """Every VERIFY_EVERY seconds, reconcile the kernel with the plan again. An interface
@@ -406,10 +464,6 @@ class Application:
         still succeeds. An unchanged kernel costs a few dumps and sends nothing."""
         if parts.shaper is None:
             return
-        now = time.monotonic()
-        if now < parts.verify_at:
-            return
-        parts.verify_at = now + VERIFY_EVERY
         try:
             with parts.lock:
                 report = parts.shaper.apply(ceil=parts.ceil_bps, quiet=True)
@@ -431,15 +485,44 @@ class Application:
             parts.shaping_notes = tuple(report.notes)
 
     def pause(self, parts: Parts) -> None:
-        parts.puller.pause()
+        parts.worker.pause()
 
     def resume(self, parts: Parts) -> None:
-        parts.puller.resume()
+        parts.worker.resume()
 
     def export_metrics(self, parts: Parts, doc: dict[str, Any]) -> None:
         if parts.metrics is not None:
-            parts.metrics.update(doc, parts.puller.fetched_totals())
+            parts.metrics.update(doc, parts.worker.fetched_totals())
+
+    def _schedule_housekeeping(self, parts: Parts, controller: Any) -> None:
+        """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
+        s = parts.scheduler
+        s.every(VERIFY_EVERY, lambda: self._verify_shaping(parts), job_id="shaping-verify")
+        s.every(CLEAN_EVERY, lambda: self._evict(parts), job_id="store-clean")
+
+        def metrics() -> None:
+            try:
+                self.export_metrics(parts, controller.status())
+            except Exception as e:
+                message = f"writing metrics failed: {e}"
+                if message != parts.metrics_error:
+                    log.warning("%s", message)
+                    parts.metrics_failures += 1
+                parts.metrics_error = message
+            else:
+                if parts.metrics_error is not None and parts.metrics_error.startswith("writing"):
+                    parts.metrics_error = None
+
+        s.every(METRICS_EVERY, metrics, job_id="metrics", first=time.time())
 
     # -- status ---------------------------------------------------------------------------
     def snapshot(self, parts: Parts | None, base: DaemonState) -> DaemonState:
         return snapshot(parts, base, self.clock)
+
+
+def _join_within(stop: Callable[[bool], None], seconds: float) -> None:
+    """Run ``stop(wait=True)`` but return after ``seconds`` whatever it waits for (a pull's
+    thread that ignores its stop event must not hold the daemon's exit)."""
+    t = threading.Thread(target=stop, args=(True,), name="scheduler-stop", daemon=True)
+    t.start()
+    t.join(seconds)

@@ -5,11 +5,10 @@ control requests from the socket's threads only queue work and wake the loop thr
 the loop then reloads, ticks and notifies systemd. So a reload never races a tick, and a slow
 control client never holds the loop (it waits in its own thread for the loop's answer).
 
-Every tick (1 s) the loop:
-  - checks the worker threads (puller, backoff, control); WATCHDOG=1 goes out only while all
-    of them live, so systemd restarts a daemon whose worker died;
-  - lets the puller stop a pull whose window closed;
-  - sends STATUS= when the one-line summary changed, refreshes metrics.
+Every tick (1 s) the loop checks the worker threads (the scheduler, backoff, control):
+WATCHDOG=1 goes out only while all of them live, so systemd restarts a daemon whose worker died;
+and it sends STATUS= when the one-line summary changed. Everything else that is timed (polls,
+slots, windows, the shaping re-apply, store cleaning, metrics) is a job on the scheduler.
 
 The controller methods (:meth:`status`, :meth:`reload`, :meth:`pause`, :meth:`resume`) are the
 same whatever the transport: ``agent.control`` calls them for the Unix socket.
@@ -213,11 +212,6 @@ class Daemon:
 
     def _tick(self) -> None:
         try:
-            self.app.supervise(self.parts)
-            self._ok("supervise")
-        except Exception as e:
-            self._error("supervise", f"supervising the workers failed: {e}")
-        try:
             doc = self.status()
             self._ok("status")
         except Exception as e:  # a bad read must not stop the daemon; the watchdog still runs
@@ -230,11 +224,6 @@ class Daemon:
                 self._dead_reported.add(name)
                 log.error("worker thread %s died; withholding the watchdog so systemd "
                           "restarts the daemon", name)
-        try:
-            self.app.export_metrics(self.parts, doc)
-            self._ok("metrics")
-        except Exception as e:
-            self._error("metrics", f"writing metrics failed: {e}")
 
     def _watchdog(self) -> None:
         if self.gate.due(self.monotonic(), all(self.workers().values())):

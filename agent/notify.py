@@ -3,7 +3,7 @@
 The unit is ``Type=notify`` with ``WatchdogSec=``: systemd waits for READY=1 before it calls the
 start done (wagent sends it only once its caps are in the kernel, so "started" means "shaped"),
 and restarts the daemon if WATCHDOG=1 stops coming. The daemon's main loop sends WATCHDOG=1 only
-while its worker threads are alive: a daemon whose puller or backoff thread died is restarted
+while its worker threads are alive: a daemon whose scheduler or backoff thread died is restarted
 rather than left looking healthy.
 
 The sender is a callable taking the message, so tests record the sequence without a socket:

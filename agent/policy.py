@@ -17,6 +17,7 @@ import os
 import re
 from typing import NamedTuple
 from urllib.parse import urlsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
@@ -24,6 +25,7 @@ from agent import units
 from agent.cron import CronError, parse_cron
 from agent.policy_build import NO_VALUE, Builder, PolicyTooLarge
 from agent.policy_model import DEFAULT_WAVES, SCHEMA_VERSION, Policy
+from agent.redact import redact
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*$")
 
@@ -131,6 +133,7 @@ def _check(p: Policy, b: Builder) -> None:
     if p.version != SCHEMA_VERSION:
         b.error(b.line_of("version"), f"policy schema version {p.version} is unknown; this "
                                       f"wagent reads version {SCHEMA_VERSION}")
+    _check_timezone(p, b)
     _check_roles(p, b)
     _check_sources(p, b)
     _check_models(p, b)
@@ -141,6 +144,16 @@ def _check(p: Policy, b: Builder) -> None:
         if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
             b.error(b.line_of("metrics.listen"), f"metrics.listen {p.metrics.listen!r} must be "
                                                  f"host:port, e.g. 127.0.0.1:9464 (or null)")
+
+
+def _check_timezone(p: Policy, b: Builder) -> None:
+    if p.timezone == "UTC":
+        return
+    try:
+        ZoneInfo(p.timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        b.error(b.line_of("timezone"), f"timezone {p.timezone!r} is not a time zone this host "
+                "knows; use an IANA name such as Europe/Berlin or America/New_York (or UTC)")
 
 
 def _check_roles(p: Policy, b: Builder) -> None:
@@ -203,8 +216,8 @@ def _check_sources(p: Policy, b: Builder) -> None:
             _check_url(b, s.proxy, f"{where}.proxy", b.line_of(f"{where}.proxy"))
         url = s.url.rstrip("/")
         if url in seen:
-            b.error(b.line_of(where), f"{where}: source {s.url!r} is listed twice (first at "
-                                      f"line {seen[url]})")
+            b.error(b.line_of(where), f"{where}: source {redact(s.url)!r} is listed twice "
+                                      f"(first at line {seen[url]})")
         seen.setdefault(url, b.line_of(where))
 
 
@@ -213,13 +226,13 @@ def _check_url(b: Builder, url: str, where: str, line: int) -> None:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises on a bad port
     except ValueError as e:
-        b.error(line, f"{where} {url!r} is not a URL ({e})")
+        b.error(line, f"{where} {redact(url)!r} is not a URL ({e})")
         return
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        b.error(line, f"{where} {url!r} must be an http:// or https:// URL with a host, "
+        b.error(line, f"{where} {redact(url)!r} must be an http:// or https:// URL with a host, "
                       f"e.g. https://weights.example.com/models")
     elif parts.query or parts.fragment:
-        b.error(line, f"{where} {url!r} must be a base URL without ?query or #fragment")
+        b.error(line, f"{where} {redact(url)!r} must be a base URL without ?query or #fragment")
 
 
 def _check_models(p: Policy, b: Builder) -> None:

@@ -12,15 +12,18 @@ annotation and its unit from the field's metadata. To add a key, add a field her
     mode: str = "auto"                            # plain text, no unit
 
 and document it in ``policies/fleet.example.yaml``; ``agent/policy.py`` needs no change.
-Metadata keys the loader understands: ``unit`` (rate, size, duration, port, port_range),
+Metadata keys the loader understands: ``unit`` (rate, rate_share, size, duration, port,
+port_range),
 ``min``/``max`` (bounds, in the field's own unit), ``choices`` (allowed values), ``yaml``
 (False: not a YAML key), ``key`` (the field is the mapping key of a keyed list).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from agent.units import Share, resolve_rate
 
 DEFAULT_WAVES = ("inference", "evaluation", "training")
 SCHEMA_VERSION = 1
@@ -29,6 +32,12 @@ SCHEMA_VERSION = 1
 def rate_field(default: Any, **meta: Any) -> Any:
     """A rate field: YAML ``300mbit``/``200MB/s``, bits per second here."""
     return field(default=default, metadata={"unit": "rate", **meta})
+
+
+def share_field(default: Any, **meta: Any) -> Any:
+    """A rate that may be written as a share of the link: YAML ``300mbit`` or ``1%`` (of
+    ``shaping.link_rate``); the ``Policy`` resolves shares to bits per second."""
+    return field(default=default, metadata={"unit": "rate_share", **meta})
 
 
 def size_field(default: Any, **meta: Any) -> Any:
@@ -57,11 +66,12 @@ class Window:
 
     ``cron`` is five fields (minute hour day-of-month month day-of-week), day-of-week in cron's
     numbering (0 or 7 = Sunday) or names (mon-fri). A window may run across midnight. Times are
-    UTC.
+    read on the wall clock of ``tz``: the policy's ``timezone``, which the policy sets here.
     """
 
     cron: str
     duration: float = field(metadata={"unit": "duration"})
+    tz: str = field(default="UTC", metadata={"yaml": False})
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class Source:
     proxy: str | None = None        # HTTP proxy for this source (e.g. a Dragonfly dfdaemon)
     ca_bundle: str | None = None    # PEM file; TLS verification is always on
     credentials: str | None = None  # file: "bearer TOKEN" or "basic USER:PASSWORD"; never logged
+    # The cluster's cache tier (cache nodes' stores served by nginx): cache nodes don't poll its
+    # `latest`, which names what the tier already holds (agent.announce), they fill it.
+    cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,41 +126,65 @@ class Pulls:
     read_timeout: float = duration_field(30.0)
     retries: int = field(default=5, metadata={"min": 0})
     rate: int | None = rate_field(None)       # static cap of the pulls' token bucket, bits/s
+    # models pulling at once (they share the streams and the token bucket); others queue
+    concurrent_models: int = field(default=2, metadata={"min": 1, "max": 64})
 
 
 @dataclass(frozen=True)
 class Shaping:
-    enabled: bool = False
+    # None: on when interfaces are named (naming them is the opt-in); false turns it off
+    enabled: bool | None = None
     interfaces: tuple[str, ...] = ()     # wagent never touches an interface not named here
     link_rate: int = rate_field(10**9)   # the interface's rate (HTB root and default class ceil)
     # sources' ports, matched as source port on ingress (IFB); empty: taken from the sources' URLs
     pull_ports: tuple[int, ...] = ports_field(())
     # matched as source port on egress; empty: no egress tree
     serve_ports: tuple[int, ...] = ports_field(())
-    rate: int = rate_field(10**7)        # the distribution class's guaranteed rate
-    ceil: int = rate_field(5 * 10**8)    # the distribution class's cap
+    rate: int | Share = share_field(10**7)     # the distribution class's guaranteed rate
+    # the distribution class's cap: by default the whole link, the backoff keeps it off training
+    ceil: int | Share = share_field(Share(100.0))
     # HTB prio of the distribution class (0 highest, 7 lowest)
     priority: int = field(default=7, metadata={"min": 0, "max": 7})
     take_over: bool = False              # replace a root qdisc wagent didn't make
 
+    def __post_init__(self) -> None:
+        if self.enabled is None:
+            object.__setattr__(self, "enabled", bool(self.interfaces))
+        # Shares of the link become bits/s here, so the rest of wagent only sees rates.
+        for name in ("rate", "ceil"):
+            object.__setattr__(self, name, resolve_rate(getattr(self, name), self.link_rate))
+
 
 @dataclass(frozen=True)
 class Backoff:
+    """Defaults that protect at any link speed: rates are shares of ``shaping.link_rate``
+    (resolved by the ``Policy``; a ``Backoff`` on its own is resolved with ``resolved``)."""
+
     enabled: bool = True
-    tick: float = duration_field(1.0, min=0.1)  # 0.1 s at the least
-    floor: int = rate_field(10**7)       # rate while training traffic is present
-    cap: int | None = rate_field(None)   # None: shaping.ceil
+    tick: float = duration_field(0.1, min=0.01)  # how often the detectors run
+    floor: int | Share = share_field(Share(0.2))  # rate while training traffic is present
+    cap: int | Share | None = share_field(None)   # None: shaping.ceil
     # multiplier on a detection: 0 = straight to the floor
     decrease: float = field(default=0.0, metadata={"min": 0.0, "max": 0.99})
-    increase: int = rate_field(10**8)    # additive step per tick once quiet
-    quiet: float = duration_field(5.0)   # seconds with no training traffic before ramping up
-    # other (non-distribution) traffic on the link that counts
-    link_threshold: int = rate_field(5 * 10**7)
+    increase: int | Share = share_field(Share(10.0))  # additive step per tick once quiet
+    quiet: float = duration_field(3.0)   # seconds with no training traffic before ramping up
+    # other (non-distribution) traffic on the link, over one tick, that counts as training
+    link_threshold: int | Share = share_field(Share(5.0))
     rdma_threshold: int = rate_field(10**6)  # RDMA traffic that counts
     # inclusive port ranges
     training_ports: tuple[tuple[int, int], ...] = port_ranges_field(((29500, 29500),))
     nccl_processes: bool = True          # a process mapping libnccl counts as training present
+    # the standing queue (as time at the allowed rate) the pull's receive windows allow it at
+    # the bottleneck, besides one round trip in flight
+    queue_budget: float = duration_field(0.001, min=0.0, max=1.0)
     roots: tuple[tuple[str, str], ...] = ()  # detector roots (proc, sys) overridden for tests
+
+    def resolved(self, link_bps: int) -> Backoff:
+        """The same, with every share of the link turned into bits/s."""
+        shares = {n: resolve_rate(getattr(self, n), link_bps)
+                  for n in ("floor", "cap", "increase", "link_threshold")
+                  if isinstance(getattr(self, n), Share)}
+        return replace(self, **shares) if shares else self
 
 
 @dataclass(frozen=True)
@@ -179,8 +216,18 @@ class Policy:
     metrics: Metrics = field(default_factory=Metrics)
     control: Control = field(default_factory=Control)
     state_dir: str = "/var/lib/wagent"
+    # IANA name (Europe/Berlin) of the clock the role windows' cron fields are read on
+    timezone: str = "UTC"
     path: str = field(default="", metadata={"yaml": False})    # file it was loaded from
     sha256: str = field(default="", metadata={"yaml": False})  # of the file's bytes, for status
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backoff", self.backoff.resolved(self.shaping.link_rate))
+        if any(w.tz != self.timezone for r in self.roles for w in r.windows):
+            # Every window reads its cron on the policy's clock: one place says which.
+            object.__setattr__(self, "roles", tuple(
+                replace(r, windows=tuple(replace(w, tz=self.timezone) for w in r.windows))
+                for r in self.roles))
 
     def role(self, name: str) -> Role | None:
         return next((r for r in self.roles if r.name == name), None)

@@ -1,6 +1,7 @@
 """When may this node pull which version: the staggered waves and the role windows. Pure.
 
-Times are POSIX seconds (``float``), windows are evaluated in UTC. A node's slot for a version is::
+Times are POSIX seconds (``float``); windows read their cron fields on the policy's ``timezone``
+(UTC by default), daylight-saving changes included. A node's slot for a version is::
 
     slot = published + cache_lead + wave_index * gap + offset,  offset = frac * spread
 
@@ -27,7 +28,8 @@ import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, tzinfo
+from zoneinfo import ZoneInfo
 
 from agent.cron import CronSpec, parse_cron
 from agent.policy_model import Policy, Window
@@ -92,7 +94,7 @@ def is_open(windows: Iterable[Window], now: float) -> bool:
     if not windows:
         return True
     for w in windows:
-        m = _spec(w.cron).next_match(_dt(now - w.duration), inclusive=True)
+        m = _spec(w.cron).next_match(_dt(now - w.duration), inclusive=True, tz=_zone(w.tz))
         if m is not None and m.timestamp() <= now < m.timestamp() + w.duration:
             return True
     return False
@@ -104,7 +106,7 @@ def next_opening(windows: Iterable[Window], now: float) -> float | None:
     if is_open(windows, now):
         return now
     nexts = [m.timestamp() for w in windows
-             if (m := _spec(w.cron).next_match(_dt(now))) is not None]
+             if (m := _spec(w.cron).next_match(_dt(now), tz=_zone(w.tz))) is not None]
     return min(nexts, default=None)
 
 
@@ -192,13 +194,13 @@ class Spans:
     def build(cls, windows: Iterable[Window], start: float, end: float) -> Spans:
         raw: list[tuple[float, float]] = []
         for w in windows:
-            spec = _spec(w.cron)
-            m = spec.next_match(_dt(start - w.duration), inclusive=True)
+            spec, zone = _spec(w.cron), _zone(w.tz)
+            m = spec.next_match(_dt(start - w.duration), inclusive=True, tz=zone)
             while m is not None and m.timestamp() < end:
                 t = m.timestamp()
                 if t + w.duration > start:
                     raw.append((t, t + w.duration))
-                m = spec.next_match(m)
+                m = spec.next_match(m, tz=zone)
         raw.sort()
         merged: list[tuple[float, float]] = []
         for s, e in raw:
@@ -226,6 +228,12 @@ class Spans:
 @functools.lru_cache(maxsize=256)
 def _spec(text: str) -> CronSpec:
     return parse_cron(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _zone(name: str) -> tzinfo:
+    """The policy's time zone (validated when it loaded)."""
+    return UTC if name == "UTC" else ZoneInfo(name)
 
 
 def _dt(t: float) -> datetime:

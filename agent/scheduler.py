@@ -43,7 +43,9 @@ JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1
 class Scheduler:
     """One-shot, interval and window-opening jobs on a background thread pool, in UTC."""
 
-    def __init__(self, workers: int = 4, misfire_grace_time: float | None = None) -> None:
+    # Each model's job may hold a thread for a whole pull (hours): threads enough for every
+    # model and the housekeeping jobs; an idle thread costs nothing.
+    def __init__(self, workers: int = 32, misfire_grace_time: float | None = None) -> None:
         # misfire_grace_time is a parameter only so a test can show what the default would do.
         defaults = dict(JOB_DEFAULTS, misfire_grace_time=misfire_grace_time)
         self._aps = BackgroundScheduler(
@@ -52,6 +54,11 @@ class Scheduler:
 
     def start(self) -> None:
         self._aps.start()
+
+    def alive(self) -> bool:
+        """The scheduler's thread runs (the daemon's watchdog waits on it)."""
+        thread = getattr(self._aps, "_thread", None)
+        return bool(self._aps.running and thread is not None and thread.is_alive())
 
     def shutdown(self, wait: bool = True) -> None:
         if self._aps.running:

@@ -1,4 +1,4 @@
-"""The status snapshot: what the running parts (puller, shaper, backoff loop, store) say,
+"""The status snapshot: what the running parts (pull worker, shaper, backoff loop, store) say,
 turned into the values of ``agent.status``. Called from any thread (the control socket's
 and the main loop's); it only reads, taking the parts' lock around the shared netlink socket.
 """
@@ -42,13 +42,13 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float])
                     wave_index=index,
                     wave_delay=0.0 if index is None
                     else p.waves.cache_lead + index * p.waves.gap)
-    w = parts.puller.window()
+    w = parts.worker.window()
     return replace(
-        base, paused=parts.puller.paused, node=node,
-        errors=base.errors + tuple(e for e in (parts.metrics_error, parts.puller.pass_error)
+        base, paused=parts.worker.paused, node=node,
+        errors=base.errors + tuple(e for e in (parts.metrics_error, parts.worker.step_error)
                                    if e),
         shaping=shaping_info(parts), backoff=backoff_info(parts, clock),
-        pulls=parts.puller.snapshot(),
+        pulls=parts.worker.snapshot(),
         window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
         store=store_info(parts.store))
 
@@ -83,13 +83,15 @@ def backoff_info(parts: Parts, clock: Callable[[], float]) -> BackoffInfo:
             events.append(BackoffEvent(a.at + offset, a.state, a.reason, a.rate_bps))
         prev = a.state
     readings = {k: float(st[k]) for k in ("other_bps", "rdma_bps", "training_connections",
-                                          "nccl_processes") if st.get(k) is not None}
+                                          "nccl_processes", "pull_streams", "pull_min_rtt_us",
+                                          "pull_rtt_us", "pull_window_bytes")
+                if st.get(k) is not None}
     return BackoffInfo(
         enabled=True, state=st["state"], reason=st["reason"],
         since=None if st["since"] is None else st["since"] + offset,
         rate_bps=st["rate_bps"], floor_bps=st["floor_bps"], cap_bps=st["cap_bps"],
         events=tuple(events[1:][-MAX_EVENTS:]), events_total=st["events"],
-        readings=readings)
+        readings=readings, events_by_signal=st.get("events_by_signal", {}))
 
 
 def store_info(store: Store) -> StoreInfo:

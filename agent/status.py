@@ -1,7 +1,7 @@
 """The status model: the daemon's state in, a versioned JSON document and a human summary out.
 
 Everything here is pure. The daemon assembles a :class:`DaemonState` from its parts (policy,
-shaper, backoff loop, puller, store) and :func:`to_json` turns it into the document that
+shaper, backoff loop, pull worker, store) and :func:`to_json` turns it into the document that
 ``wagent status --json`` prints and monitoring parses. That document is an API: its fields are
 documented in ``docs/status.md``, ``"schema"`` is bumped on any incompatible change, and the
 client renders the human text (:func:`to_text`) from the document, never from daemon internals,
@@ -28,7 +28,8 @@ EXIT_DEGRADED = 1
 EXIT_NOT_RUNNING = 3
 
 # Pull states, in the order a version goes through them.
-PULL_STATES = ("idle", "waiting_slot", "waiting_window", "paused", "pulling", "done", "failed")
+PULL_STATES = ("idle", "waiting_slot", "waiting_window", "queued", "paused", "pulling", "done",
+               "failed")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from agent import manifest
 from agent.policy_model import Model, Policy, Source
 from agent.pull import engine
 from agent.pull.engine import PullError, PullOptions, pull_version
-from agent.puller import Puller, PullerDeps, Window
+from agent.pull.worker import Window, Worker, WorkerDeps
+from agent.scheduler import Scheduler
 from agent.store import Store
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir, same_files
 
@@ -272,7 +273,7 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
         def pull(model, version, progress, stop):
             engine.pull_version(sources, model.name, version, store, options=FAST, stop=stop)
 
-        deps = PullerDeps(
+        deps = WorkerDeps(
             clock=time.monotonic,
             resolve=lambda m: engine.resolve_latest(sources, m.name, FAST),
             published=lambda m, v: 0.0,
@@ -282,13 +283,18 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
             local_version=lambda m: None,
             pull=pull,
             evict=lambda: None)
-        puller = Puller(Policy(models=(Model("a"), Model("b")), sources=tuple(sources),
+        puller = Worker(Policy(models=(Model("a"), Model("b")), sources=tuple(sources),
                                poll_interval=300.0), deps)
-        puller.start()
+        jobs = Scheduler()
+        jobs.start()
+        puller.start(jobs)
         try:
+            # Each model is a job of its own: b is done while a still waits for its headers.
             wait_for(lambda: {i.model: i.state for i in puller.snapshot()}.get("b") == "done")
+            wait_for(lambda: any(i.model == "a" and i.error for i in puller.snapshot()))
         finally:
             puller.stop()
+            jobs.shutdown(wait=False)
     a = next(i for i in puller.snapshot() if i.model == "a")
     assert "response headers did not arrive within 1 s" in (a.error or ""), a
     assert store.installed("b", "v1") is not None

@@ -170,3 +170,43 @@ def test_a_policy_without_roles_waits_for_no_wave_it_has_no_nodes_for():
     frac = offset_fraction("n", "training", "llama", "v2")
     assert slot(PUBLISHED, "n", "training", "llama", "v2", minimal) == PUBLISHED + frac * 1200
     assert wave_index(POLICY, "training") == 2
+
+
+BERLIN = parse_policy("""\
+version: 1
+timezone: Europe/Berlin
+roles:
+  training:
+    hosts: [gpu-*]
+    windows:
+      - {cron: "0 22 * * *", duration: 8h}
+""")
+
+
+def test_windows_are_read_on_the_policys_time_zone():
+    w = BERLIN.role("training").windows
+    assert w[0].tz == "Europe/Berlin"
+    assert is_open(w, ts(2026, 12, 2, 21, 30))          # 22:30 in Berlin (CET)
+    assert not is_open(w, ts(2026, 12, 2, 20, 30))
+    assert is_open(w, ts(2026, 7, 2, 20, 30))           # 22:30 in Berlin (CEST)
+    assert next_opening(w, ts(2026, 12, 2, 12, 0)) == ts(2026, 12, 2, 21, 0)
+
+
+def test_a_window_on_a_daylight_saving_change():
+    # 29 March 2026 at 02:00 CET the clocks jump to 03:00: the 8 h window that opened at 22:00
+    # CET the evening before still lasts 8 hours (it closes at 07:00 CEST, 05:00 UTC).
+    w = BERLIN.role("training").windows
+    opened = next_opening(w, ts(2026, 3, 28, 12, 0))
+    assert opened == ts(2026, 3, 28, 21, 0)
+    assert open_until(w, ts(2026, 3, 29, 1, 0)) == ts(2026, 3, 29, 5, 0)
+    # 25 October: 22:00 CET is 21:00 UTC again, the day the clocks went back.
+    assert next_opening(w, ts(2026, 10, 25, 12, 0)) == ts(2026, 10, 25, 21, 0)
+
+
+def test_an_unknown_time_zone_is_a_file_line_error():
+    import pytest as _pytest
+
+    from agent.policy import PolicyError
+    with _pytest.raises(PolicyError) as e:
+        parse_policy("version: 1\nroles: {}\ntimezone: Mars/Olympus_Mons\n", "p.yaml")
+    assert "p.yaml:3: timezone 'Mars/Olympus_Mons'" in str(e.value)

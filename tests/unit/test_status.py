@@ -110,21 +110,22 @@ def test_a_tick_that_failed_once_does_not_degrade_status_forever():
     from agent.notify import Notifier
 
     class App:
-        fail = ["metrics", None]
+        calls = 0
 
-        def supervise(self, parts): pass
-        def workers(self, parts): return {"puller": True}
+        def workers(self, parts): return {"scheduler": True}
         def error_counts(self, parts): return {}
-        def snapshot(self, parts, base): return base
 
-        def export_metrics(self, parts, doc):
-            if self.fail.pop(0):
-                raise OSError("textfile dir full")
+        def snapshot(self, parts, base):
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError("a part's state could not be read")
+            return base
 
     d = Daemon(App(), Notifier(lambda _m: None), hard_exit=None)
     d.parts = {}
     d._tick()
-    assert d.status()["problems"] == ["writing metrics failed: textfile dir full"]
+    assert d.status()["problems"] == [
+        "building the status failed: a part's state could not be read"]
     d._tick()                            # it works again: healthy, the count stays
     doc = d.status()
-    assert doc["health"] == "healthy" and doc["daemon"]["error_counts"] == {"metrics": 1}
+    assert doc["health"] == "healthy" and doc["daemon"]["error_counts"] == {"status": 1}

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from agent.policy_model import Model, Policy
-from agent.puller import Progress, Puller, PullerDeps, Window
+from agent.pull.worker import Progress, Window, Worker, WorkerDeps
 from agent.status import EXIT_DEGRADED, EXIT_HEALTHY, DaemonState, exit_code, to_json, to_text
 
 LIMIT = 100.0
@@ -37,7 +37,7 @@ class World:
             progress(Progress(done=10, total=100, streams=2, fetched=10))
             self._hang("pull")
 
-        return PullerDeps(
+        return WorkerDeps(
             clock=lambda: self.now, resolve=resolve, published=lambda m, v: 0.0,
             schedule=lambda m, v, pub, now: (0.0, 0.0), window=lambda now: Window(True),
             have=lambda m, v: False, local_version=lambda m: None, pull=pull,
@@ -54,8 +54,8 @@ def state(puller):
 def test_a_worker_stuck_past_the_deadlines_makes_the_daemon_degraded(hang_in, doing):
     w = World()
     w.hang_in = hang_in
-    p = Puller(Policy(models=(Model("llama"),), poll_interval=300.0), w.deps())
-    t = threading.Thread(target=p._pass)
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=300.0), w.deps())
+    t = threading.Thread(target=p.step, args=("llama",))
     t.start()
     try:
         assert w.entered.wait(10)
@@ -77,8 +77,8 @@ def test_a_worker_stuck_past_the_deadlines_makes_the_daemon_degraded(hang_in, do
 
 def test_bytes_moving_keep_a_long_pull_healthy():
     w = World()
-    p = Puller(Policy(models=(Model("llama"),), poll_interval=300.0), w.deps())
-    t = threading.Thread(target=p._pass)
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=300.0), w.deps())
+    t = threading.Thread(target=p.step, args=("llama",))
     t.start()
     try:
         assert w.entered.wait(10)
