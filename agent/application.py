@@ -33,7 +33,7 @@ from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
 from agent.policy import load_policy
 from agent.policy_model import Model, Policy
-from agent.pull.worker import Progress, Window, Worker, WorkerDeps
+from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
 from agent.snapshot import snapshot
@@ -352,15 +352,15 @@ class Application:
                     schedule.start_at(pub, now, ident.node_id, ident.role, model.name, version,
                                       p))
 
-        def window(now: float) -> Window:
+        def window(now: float) -> WindowState:
             windows = schedule.windows_for(parts.policy, parts.identity.role)
             if not windows:
-                return Window(True)
+                return WindowState(True)
             if schedule.is_open(windows, now):
                 closes = schedule.open_until(windows, now, horizon=HORIZON)
                 # windows that chain past the horizon never close: say so, not "in 400 days"
-                return Window(True, closes_at=closes if closes < now + HORIZON else None)
-            return Window(False, next_open=schedule.next_opening(windows, now))
+                return WindowState(True, closes_at=closes if closes < now + HORIZON else None)
+            return WindowState(False, next_open=schedule.next_opening(windows, now))
 
         def have(model: Model, version: str) -> bool:
             return parts.store.installed(model.name, version) is not None

@@ -79,7 +79,7 @@ class ProtocolError(ValueError):
     """A request that isn't one JSON object with a known ``cmd``."""
 
 
-class Controller(Protocol):
+class Controls(Protocol):
     def status(self) -> dict[str, Any]: ...
     def reload(self) -> dict[str, Any]: ...
     def pause(self) -> dict[str, Any]: ...
@@ -127,7 +127,7 @@ def error_reply(message: str, kind: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "kind": kind}
 
 
-def dispatch(controller: Controller, request: Request, peer: Peer,
+def dispatch(controller: Controls, request: Request, peer: Peer,
              allowed_uids: Iterable[int]) -> dict[str, Any]:
     if not authorized(request.cmd, peer.uid, allowed_uids):
         return error_reply(
@@ -223,7 +223,7 @@ def peer_credentials(conn: socket.socket) -> Peer:
 class ControlServer:
     """Serves one controller on a Unix socket until :meth:`stop`."""
 
-    def __init__(self, path: str, controller: Controller, *, group: str | None = "wagent",
+    def __init__(self, path: str, controller: Controls, *, group: str | None = "wagent",
                  allowed_uids: Iterable[int] = (), read_timeout: float = 5.0,
                  max_clients: int = 8) -> None:
         self.path = path

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agent.control import ControlError, NotRunning, call
+
 DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
@@ -21,8 +23,6 @@ def _add(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
 
 
 def run(cmd: str, args: argparse.Namespace) -> int:
-    from agent.control import ControlError, NotRunning, call
-
     try:
         result = call(args.socket, cmd)
     except NotRunning as e:

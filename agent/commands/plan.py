@@ -1,180 +1,78 @@
-"""`wagent plan`: the fleet's schedule for one new version, simulated before it is published.
+"""`wagent plan`: a new version's rollout, simulated before it is published.
 
-N synthetic nodes (``node-000000``...) are shared among the roles (``--roles``), each gets its slot
-from ``agent.schedule`` exactly as the daemon would compute it, is moved into its role's windows,
-and pulls for ``--pull-time`` (or ``--size`` at the policy's pull rate). A pull that reaches the
-end of its window pauses and resumes at the next opening (plus its share of the spread, as the
-daemon does). The table shows, for each wave, when its nodes start, when the last one finishes
-and the most that pull at once, and then the origin's peak: the most pulls at once over the
-whole fleet, as if every node pulled from the origin. Backoff is not simulated.
+Two ways. With ``--fleet FILE`` (a fleet description: clusters, node counts per role, links,
+cache nodes, the origin's egress; see policies/topology/fleet-topology.example.yaml) and
+``--size``: every node's slot as the daemon computes it, where it fetches from (its cluster's
+cache once the cache holds the version, else the origin), and the links shared fairly, event by
+event. Per wave: the first start, the p50/p99/last finish, what the origin sent and its peak
+rate.
+
+    wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB
+    wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB --fetch 3GB   # an update
+
+With ``--nodes N`` (no links): N synthetic nodes shared among the roles (``--roles``), each
+pulling for ``--pull-time`` (or ``--size`` at the policy's pull rate); per wave when its nodes
+start, when the last one finishes and the most that pull at once, and the most pulls at once
+over the whole fleet.
 
     wagent plan --policy policies/fleet.example.yaml --nodes 100000 \\
         --roles cache=0.001,inference=0.3,evaluation=0.1,training=0.6 --pull-time 10m
+
+Backoff (training traffic) is simulated by neither.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
 from agent import units
+from agent.fleet.report import fleet_document, format_fleet
+from agent.fleet.simulate import Rollout, simulate_fleet
+from agent.fleet.topology import TopologyError, load_topology
+from agent.fleet.waves import WavePlan, default_shares, parse_shares, share_nodes, simulate_waves
 from agent.policy import PolicyError, load_policy
-from agent.policy_model import Policy
-from agent.schedule import Spans, offset_fraction, slot_from_fraction, wave_index, windows_for
+
+# The schedule-only simulation lived here before agent.fleet; tests import it by these names.
+simulate = simulate_waves
+__all__ = ["parse_shares", "register", "run", "share_nodes", "simulate"]
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
-CONVENTIONAL_SHARES = {"inference": 0.3, "evaluation": 0.1, "training": 0.6}
-
-
-@dataclass(frozen=True)
-class WaveStats:
-    role: str
-    wave: int | None              # None: the cache role
-    nodes: int
-    first_start: float | None     # POSIX seconds; None if the role's windows never open
-    last_start: float | None
-    last_end: float | None
-    peak: int                     # most of this wave's nodes pulling at once
-    never: int                    # nodes whose windows never open
-
-
-@dataclass(frozen=True)
-class Plan:
-    published: float
-    pull_time: float
-    waves: tuple[WaveStats, ...]
-    peak: int                     # the origin's most concurrent pulls, all waves together
-    peak_at: float | None
-
-
-def simulate(policy: Policy, counts: dict[str, int], published: float, pull_time: float,
-             model: str, version: str) -> Plan:
-    """Every node's pull intervals from the schedule, then a sweep line per wave and overall."""
-    horizon = (published + policy.waves.cache_lead + policy.waves.spread
-               + (len(policy.waves.order) + 1) * policy.waves.gap + 40 * 86400 + pull_time * 4)
-    all_starts: list[float] = []
-    all_ends: list[float] = []
-    stats = []
-    serial = 0
-    roles = sorted(counts, key=lambda r: (-1 if wave_index(policy, r) is None
-                                          else wave_index(policy, r), r))
-    for role in roles:
-        windows = windows_for(policy, role)
-        spans = Spans.build(windows, published, horizon) if windows else None
-        seg_starts: list[float] = []
-        seg_ends: list[float] = []
-        firsts: list[float] = []
-        never = 0
-        for _ in range(counts[role]):
-            node = f"node-{serial:06d}"
-            serial += 1
-            frac = offset_fraction(node, role, model, version)
-            due = slot_from_fraction(published, frac, role, policy)
-            segments = _segments(spans, due, frac, policy.waves.spread, pull_time)
-            if not segments:
-                never += 1
-                continue
-            firsts.append(segments[0][0])
-            for s, e in segments:
-                seg_starts.append(s)
-                seg_ends.append(e)
-        seg_starts.sort()
-        seg_ends.sort()
-        peak, _ = _peak(seg_starts, seg_ends)
-        stats.append(WaveStats(role, wave_index(policy, role), counts[role],
-                               min(firsts, default=None), max(firsts, default=None),
-                               max(seg_ends, default=None), peak, never))
-        all_starts += seg_starts
-        all_ends += seg_ends
-    all_starts.sort()
-    all_ends.sort()
-    peak, at = _peak(all_starts, all_ends)
-    return Plan(published, pull_time, tuple(stats), peak, at)
-
-
-def _segments(spans: Spans | None, due: float, frac: float, spread: float,
-              pull_time: float) -> list[tuple[float, float]]:
-    if spans is None:
-        return [(due, due + pull_time)]
-    span = spans.next_open(due)
-    if span is None:
-        return []
-    start = due if span[0] <= due else span[0] + frac * min(spread, span[1] - span[0])
-    out, left = [], pull_time
-    while span is not None:
-        end = min(span[1], start + left)
-        out.append((start, end))
-        if end == start + left:
-            break
-        left -= end - start
-        span = spans.next_open(span[1])
-        if span is not None:              # a paused pull resumes as pull_allowed_at says
-            start = span[0] + frac * min(spread, span[1] - span[0])
-    return out
-
-
-def _peak(starts: list[float], ends: list[float]) -> tuple[int, float | None]:
-    """Most intervals open at once; an interval ending at t doesn't overlap one starting at t."""
-    best, at = 0, None
-    for i, s in enumerate(starts):
-        running = i + 1 - bisect.bisect_right(ends, s)
-        if running > best:
-            best, at = running, s
-    return best, at
-
-
-def share_nodes(total: int, shares: dict[str, float]) -> dict[str, int]:
-    """Split ``total`` nodes by weight, largest remainder first, so the counts add up exactly."""
-    weight = sum(shares.values())
-    raw = {r: total * w / weight for r, w in shares.items()}
-    counts = {r: int(v) for r, v in raw.items()}
-    by_remainder = sorted(raw, key=lambda r: raw[r] - counts[r], reverse=True)
-    for r in by_remainder[: total - sum(counts.values())]:
-        counts[r] += 1
-    return counts
-
-
-def parse_shares(text: str) -> dict[str, float]:
-    """``inference=0.3,training=0.6`` -> {"inference": 0.3, "training": 0.6}."""
-    out: dict[str, float] = {}
-    for item in text.split(","):
-        name, sep, value = item.partition("=")
-        try:
-            share = float(value)
-        except ValueError:
-            share = -1.0
-        if not sep or not name.strip() or share < 0:
-            raise ValueError(f"--roles item {item!r} should be ROLE=SHARE, e.g. inference=0.3")
-        out[name.strip()] = share
-    if sum(out.values()) <= 0:
-        raise ValueError("--roles: the shares add up to zero")
-    return out
-
-
-def default_shares(policy: Policy) -> dict[str, float]:
-    """The conventional 30/10/60 split over the waves the policy has; other roles an equal share."""
-    return {r: CONVENTIONAL_SHARES.get(r, 0.1) for r in policy.waves.order}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="simulate the fleet's schedule for a new version",
+    p = sub.add_parser("plan", help="simulate a new version's rollout over the fleet",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"default: {DEFAULT_POLICY}")
-    p.add_argument("--nodes", type=int, required=True, help="how many nodes to simulate")
-    p.add_argument("--roles", help="ROLE=SHARE,... (default: inference=0.3,evaluation=0.1,"
-                                   "training=0.6 over the policy's waves; cache=... adds caches)")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--fleet", metavar="FILE",
+                     help="a fleet description (clusters, links, caches, origin egress): "
+                          "simulate the links too; needs --size")
+    how.add_argument("--nodes", type=int, help="how many nodes to simulate (schedule only)")
+    p.add_argument("--roles", help="with --nodes: ROLE=SHARE,... (default: inference=0.3,"
+                                   "evaluation=0.1,training=0.6 over the policy's waves; "
+                                   "cache=... adds caches)")
     p.add_argument("--published", help="ISO time of publication, UTC unless it says (default: now)")
-    p.add_argument("--pull-time", default="10m", help="how long one pull takes (default 10m)")
-    p.add_argument("--size", help="model size, e.g. 16GB: pull time = size / the policy's pull "
-                                  "rate (pulls.rate, else shaping.ceil if shaping is enabled, "
-                                  "else shaping.link_rate); overrides --pull-time")
+    p.add_argument("--pull-time", default="10m",
+                   help="with --nodes: how long one pull takes (default 10m)")
+    p.add_argument("--size", help="the version's size, e.g. 120GB. With --fleet: what one copy "
+                                  "is. With --nodes: pull time = size / the policy's pull rate "
+                                  "(pulls.rate, else shaping.ceil if shaping is enabled, else "
+                                  "shaping.link_rate); overrides --pull-time")
+    p.add_argument("--fetch", help="with --fleet: what each node fetches, when the nodes hold "
+                                   "the previous version (an update: its changed tensors); "
+                                   "default: --size")
+    p.add_argument("--cold", action="store_true",
+                   help="with --fleet: the caches have announced no version of this model yet "
+                        "(its first), so nodes learn of it from the origin")
     p.add_argument("--model", help="model name for the hash (default: the policy's first)")
     p.add_argument("--version", default="v1", help="version name for the hash (default v1)")
+    p.add_argument("--per-node", action="store_true",
+                   help="with --fleet: every node's slot, start, finish and source too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -182,26 +80,47 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(args.policy)
-    except PolicyError as e:
+        topology = load_topology(args.fleet) if args.fleet else None
+    except (PolicyError, TopologyError) as e:
         print(e, file=sys.stderr)
         return 1
+    model = args.model or (policy.models[0].name if policy.models else "model")
     try:
-        if args.nodes < 1:
-            raise ValueError("--nodes must be at least 1")
-        shares = parse_shares(args.roles) if args.roles else default_shares(policy)
         published = _parse_time(args.published) if args.published else datetime.now(UTC)
-        if args.size:
-            sh = policy.shaping
-            rate = policy.pulls.rate or (sh.ceil if sh.enabled else sh.link_rate)
-            pull_time = units.parse_size(args.size) * 8 / rate
+        if topology is not None:
+            if not args.size:
+                raise ValueError("--fleet needs --size (the version's size, e.g. 120GB)")
+            size = units.parse_size(args.size)
+            fetch = units.parse_size(args.fetch) if args.fetch else None
+            if fetch is not None and fetch > size:
+                raise ValueError(f"--fetch {args.fetch} is more than --size {args.size}")
+            rollout = Rollout(size, fetch, published.timestamp(), model, args.version,
+                              args.cold)
+            fleet = simulate_fleet(topology, policy, rollout)
         else:
-            pull_time = units.parse_duration(args.pull_time)
+            if args.fetch or args.cold or args.per_node:
+                raise ValueError("--fetch, --cold and --per-node go with --fleet")
+            if args.nodes < 1:
+                raise ValueError("--nodes must be at least 1")
+            shares = parse_shares(args.roles) if args.roles else default_shares(policy)
+            if args.size:
+                sh = policy.shaping
+                rate = policy.pulls.rate or (sh.ceil if sh.enabled else sh.link_rate)
+                pull_time = units.parse_size(args.size) * 8 / rate
+            else:
+                pull_time = units.parse_duration(args.pull_time)
+            plan = simulate_waves(policy, share_nodes(args.nodes, shares),
+                                  published.timestamp(), pull_time, model, args.version)
     except ValueError as e:                       # UnitError is a ValueError
         print(f"wagent plan: {e}", file=sys.stderr)
         return 2
-    model = args.model or (policy.models[0].name if policy.models else "model")
-    plan = simulate(policy, share_nodes(args.nodes, shares), published.timestamp(), pull_time,
-                    model, args.version)
+    if topology is not None:
+        if args.json:
+            json.dump(fleet_document(fleet, args.per_node), sys.stdout, indent=2)
+            print()
+        else:
+            print(format_fleet(fleet, args.per_node))
+        return 0
     if args.json:
         json.dump(plan_document(plan), sys.stdout, indent=2)
         print()
@@ -210,12 +129,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_document(plan: Plan) -> dict[str, Any]:
+def plan_document(plan: WavePlan) -> dict[str, Any]:
     """Stable JSON (``plan_version`` 1): times in POSIX seconds, ``waves`` in start order."""
     return {"plan_version": 1, **asdict(plan)}
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: WavePlan) -> str:
     def rel(t: float | None) -> str:
         return "-" if t is None else "+" + units.format_duration(t - plan.published)
 

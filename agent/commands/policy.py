@@ -14,11 +14,10 @@ from typing import Any
 
 import yaml
 
+from agent.commands import DEFAULT_POLICY
 from agent.policy import PolicyError, check_policy, load_policy
 from agent.policy_model import Policy
 from agent.units import exact_duration, exact_rate, exact_size
-
-DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,4 +107,5 @@ def _plain(value: Any, meta: Any, with_units: bool) -> Any:
 
 
 # Human units that read back to the same value: the document passes `wagent policy check`.
-_WRITE = {"rate": exact_rate, "size": exact_size, "duration": exact_duration}
+_WRITE = {"rate": exact_rate, "rate_share": exact_rate, "size": exact_size,
+          "duration": exact_duration}

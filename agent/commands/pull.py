@@ -15,11 +15,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
 
+from agent.policy import PolicyError, load_policy
 from agent.policy_model import Pulls, Source
+from agent.pull.engine import PullError, PullOptions, pull_version
+from agent.pull.progress import Reporter, summary
 from agent.ratelimit import TokenBucket
 from agent.redact import redact
 from agent.store import Store
 from agent.units import UnitError, parse_rate, parse_size
+from shaping.backoff import pull_backoff
+from shaping.errors import ShapingError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,9 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_with_policy(args: argparse.Namespace) -> int:
     """``--policy``: the policy's shaping (the ingress cap) and backoff run beside the pull."""
-    from agent.policy import PolicyError, load_policy
-    from shaping.backoff import pull_backoff
-    from shaping.errors import ShapingError
 
     try:
         policy = load_policy(args.policy)
@@ -90,8 +92,6 @@ def run_with_policy(args: argparse.Namespace) -> int:
 def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
              stop: threading.Event | None = None) -> int:
     """The pull itself; ``bucket`` lets a caller (the backoff loop) move the rate while it runs."""
-    from agent.pull.engine import PullError, PullOptions, pull_version
-    from agent.pull.progress import Reporter, summary
 
     try:
         source, model, version = split_url(args.url)
@@ -140,7 +140,6 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
 
 
 def _policy_pulls(path: str) -> Pulls:
-    from agent.policy import load_policy
     return load_policy(path).pulls
 
 

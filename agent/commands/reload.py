@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agent.control import ControlError, NotRunning, call
+
 DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
@@ -22,8 +24,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.control import ControlError, NotRunning, call
-
     try:
         result = call(args.socket, "reload", timeout=args.timeout)
     except NotRunning as e:

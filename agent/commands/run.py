@@ -7,7 +7,15 @@ import logging
 import os
 import sys
 
-DEFAULT_POLICY = "/etc/wagent/policy.yaml"
+from agent.application import Application
+from agent.commands import DEFAULT_POLICY
+from agent.control import ControlError
+from agent.daemon import Daemon
+from agent.metrics import MetricsError
+from agent.notify import Notifier, watchdog_interval
+from agent.policy import PolicyError
+from agent.store import StoreError
+from shaping.errors import ShapingError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,15 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.application import Application
-    from agent.control import ControlError
-    from agent.daemon import Daemon
-    from agent.metrics import MetricsError
-    from agent.notify import Notifier, watchdog_interval
-    from agent.policy import PolicyError
-    from agent.store import StoreError
-    from shaping.errors import ShapingError
-
     if args.verbose == 0:
         logging.getLogger().setLevel(logging.INFO)   # a daemon's journal wants its story
     app = Application(os.path.abspath(args.policy), state_dir=args.state_dir,

@@ -10,15 +10,14 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from agent.commands import DEFAULT_POLICY
+from agent.policy import PolicyError, load_policy
 from agent.policy_model import Shaping
 from agent.units import format_rate, format_size
+from shaping.errors import ShapingError
+from shaping.shaper import Shaper
 
-if TYPE_CHECKING:                        # pyroute2 is imported only when a verb runs
-    from shaping.shaper import Shaper
-
-DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 DEFAULT_STATE_DIR = "/var/lib/wagent"
 
 
@@ -48,11 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _shaper(args: argparse.Namespace, need_policy: bool) -> Shaper:
-    from shaping.shaper import Shaper
-
     shaping, sources, state_dir = Shaping(), (), DEFAULT_STATE_DIR
     if args.policy or need_policy:
-        from agent.policy import load_policy
 
         policy = load_policy(args.policy)
         shaping, sources, state_dir = policy.shaping, policy.sources, policy.state_dir
@@ -63,12 +59,6 @@ def _shaper(args: argparse.Namespace, need_policy: bool) -> Shaper:
 
 
 def _run(args: argparse.Namespace, body: Callable[[], int]) -> int:
-    from shaping.errors import ShapingError
-
-    try:
-        from agent.policy import PolicyError
-    except ImportError:                  # the loader isn't there: nothing can raise it
-        PolicyError = ShapingError
     if not args.verbose:
         # The notes are printed below as "note: ..."; the daemon is who needs them as log lines.
         logging.getLogger("shaping.shaper").setLevel(logging.ERROR)

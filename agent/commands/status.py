@@ -7,6 +7,9 @@ import argparse
 import json
 import sys
 
+from agent.control import ControlError, NotRunning, call
+from agent.status import EXIT_NOT_RUNNING, SCHEMA, exit_code, not_running_text, to_text
+
 DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
@@ -24,9 +27,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.control import ControlError, NotRunning, call
-    from agent.status import EXIT_NOT_RUNNING, SCHEMA, exit_code, not_running_text, to_text
-
     try:
         doc = call(args.socket, "status", timeout=10.0)
     except NotRunning as e:

@@ -59,7 +59,7 @@ PullFn = Callable[[Model, str, Callable[[Progress], None], threading.Event], Non
 
 
 @dataclass(frozen=True)
-class Window:
+class WindowState:
     open: bool
     next_open: float | None = None
     closes_at: float | None = None
@@ -73,7 +73,7 @@ class WorkerDeps:
     # (model, version, published, now) -> (this node's wave slot, when it may start: the slot,
     # now if learned later, moved into the role's windows; None if no window ever opens)
     schedule: Callable[[Model, str, float, float], tuple[float, float | None]]
-    window: Callable[[float], Window]                       # this node's role windows at a time
+    window: Callable[[float], WindowState]                  # this node's role windows at a time
     have: Callable[[Model, str], bool]                     # version complete in the store?
     local_version: Callable[[Model], str | None]           # newest complete version in the store
     pull: PullFn
@@ -225,7 +225,7 @@ class Worker:
         with self._lock:
             return {name: st.fetched_total for name, st in self._states.items()}
 
-    def window(self) -> Window:
+    def window(self) -> WindowState:
         return self.deps.window(self.deps.clock())
 
     def pulling(self) -> int:

@@ -20,7 +20,7 @@ from agent import manifest
 from agent.policy_model import Model, Policy, Source
 from agent.pull import engine
 from agent.pull.engine import PullError, PullOptions, pull_version
-from agent.pull.worker import Window, Worker, WorkerDeps
+from agent.pull.worker import WindowState, Worker, WorkerDeps
 from agent.scheduler import Scheduler
 from agent.store import Store
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir, same_files
@@ -278,7 +278,7 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
             resolve=lambda m: engine.resolve_latest(sources, m.name, FAST),
             published=lambda m, v: 0.0,
             schedule=lambda m, v, pub, now: (now, now),
-            window=lambda now: Window(True),
+            window=lambda now: WindowState(True),
             have=lambda m, v: store.installed(m.name, v) is not None,
             local_version=lambda m: None,
             pull=pull,

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from agent.policy_model import Model, Policy, Pulls
-from agent.pull.worker import Progress, Window, Worker, WorkerDeps
+from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.scheduler import Scheduler
 
 
@@ -45,7 +45,7 @@ class World:
             resolve=lambda m: self.latest,
             published=lambda m, v: 1000.0,
             schedule=schedule,
-            window=lambda now: Window(self.window_open,
+            window=lambda now: WindowState(self.window_open,
                                       next_open=None if self.window_open else now + 3600),
             have=lambda m, v: (m.name, v) in self.installed,
             local_version=lambda m: None,

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from agent.policy_model import Model, Policy
-from agent.pull.worker import Progress, Window, Worker, WorkerDeps
+from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.status import EXIT_DEGRADED, EXIT_HEALTHY, DaemonState, exit_code, to_json, to_text
 
 LIMIT = 100.0
@@ -39,7 +39,7 @@ class World:
 
         return WorkerDeps(
             clock=lambda: self.now, resolve=resolve, published=lambda m, v: 0.0,
-            schedule=lambda m, v, pub, now: (0.0, 0.0), window=lambda now: Window(True),
+            schedule=lambda m, v, pub, now: (0.0, 0.0), window=lambda now: WindowState(True),
             have=lambda m, v: False, local_version=lambda m: None, pull=pull,
             evict=lambda: None, stall_after=lambda: LIMIT)
 
