@@ -31,17 +31,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent import units
+from agent.commands import DEFAULT_POLICY
 from agent.fleet.report import fleet_document, format_fleet
 from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import TopologyError, load_topology
 from agent.fleet.waves import WavePlan, default_shares, parse_shares, share_nodes, simulate_waves
 from agent.policy import PolicyError, load_policy
-
-# The schedule-only simulation lived here before agent.fleet; tests import it by these names.
-simulate = simulate_waves
-__all__ = ["parse_shares", "register", "run", "share_nodes", "simulate"]
-
-DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from agent.cli import main
-from agent.commands.plan import parse_shares, share_nodes, simulate
+from agent.fleet.waves import parse_shares, share_nodes
+from agent.fleet.waves import simulate_waves as simulate
 from agent.policy import load_policy
 from agent.schedule import start_at
 
