@@ -68,6 +68,15 @@ else
     echo "no warnings or errors: ok"
 fi
 
+step "man page renders without warnings (groff -man -ww -z)"
+man_out=$(groff -man -ww -z "$(dirname "$0")/deb/wagent.8" 2>&1)
+if [ -n "$man_out" ]; then
+    echo "$man_out"
+    fail "groff warns about wagent.8 (above)"
+else
+    echo "no warnings: ok"
+fi
+
 step "apt-get install $deb"
 if dpkg-query -W -f='${Status}' wagent 2>/dev/null | grep -q 'ok installed'; then
     echo "purging the installed wagent first, so this is a fresh install"
