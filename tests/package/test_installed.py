@@ -266,6 +266,16 @@ def test_pull_a_model_as_wagent(installed: str, workdir: Path, testbed: Testbed)
         assert dst.is_file(), f"{dst} missing after the pull"
         assert sha256(dst) == sha256(src), f"{dst} differs from the origin's"
 
+    # The operator's tools on that store, as the service user, with no daemon running.
+    res = wagent("wait", "tiny", "--version", "v1", "--timeout", "5s", "--store", str(store))
+    ok(res)
+    assert res.stdout.strip().endswith("/models/tiny/v1")
+    res = wagent("store", "ls", "--store", str(store), "--json")
+    ok(res)
+    doc = json.loads(res.stdout)
+    assert [v["version"] for m in doc["models"] for v in m["versions"]] == ["v1"]
+    ok(wagent("store", "verify", "--store", str(store)))
+
 
 @pytest.mark.netns
 def test_daemon_answers_status_as_wagent(installed: str, workdir: Path, testbed: Testbed) -> None:
