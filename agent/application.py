@@ -28,6 +28,7 @@ from typing import Any
 
 from agent import announce, schedule
 from agent.control import ControlServer, prepare_socket_dir, trusted_uids
+from agent.hooks import run_hook
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
@@ -390,9 +391,20 @@ class Application:
                     log.error("announcing %s %s in %s failed: %s", model.name, version,
                               parts.store.root, e)
 
-        def ready(model: Model, version: str) -> None:
-            if pointers.set_current(parts.store, model.name, version):
-                log.info("%s %s is current", model.name, version)
+        def ready(model: Model, version: str) -> str | None:
+            if not pointers.set_current(parts.store, model.name, version):
+                return None                 # current already (a restart): nothing happened
+            log.info("%s %s is current", model.name, version)
+            if not model.on_ready:
+                return None
+            path = parts.store.version_dir(model.name, version)
+            ok, what = run_hook(model.on_ready, {"WAGENT_MODEL": model.name,
+                                                 "WAGENT_VERSION": version,
+                                                 "WAGENT_PATH": str(path)},
+                                model.on_ready_timeout)
+            (log.info if ok else log.warning)("on_ready of %s %s: %s", model.name, version,
+                                              what)
+            return what
 
         def stall_after() -> float:
             # The longest wait the deadlines allow without a byte moving, and a minute more:

@@ -107,6 +107,10 @@ class Model:
     name: str
     version: str = "latest"         # "latest": resolved by polling {source}/{model}/latest
     pin: tuple[str, ...] = ()       # versions eviction never removes
+    # run (by /bin/sh) when a version becomes current: env WAGENT_MODEL, WAGENT_VERSION,
+    # WAGENT_PATH; killed after on_ready_timeout
+    on_ready: str | None = None
+    on_ready_timeout: float = duration_field(300.0)
 
 
 @dataclass(frozen=True)

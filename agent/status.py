@@ -126,6 +126,7 @@ class PullInfo:
     local_version: str | None = None    # newest version complete in the store
     error: str | None = None
     stalled: str | None = None          # the worker made no progress for longer than it may
+    on_ready: str | None = None         # the last on_ready hook's outcome ("exit 0 after 0.4 s")
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
     s = state
     return {
         "schema": SCHEMA,
+        "running": True,            # as `wagent status --json` says false when none answers
         "generated_at": now,
         "health": "degraded" if issues else "healthy",
         "problems": issues,
@@ -236,7 +238,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
              "streams": p.streams, "slot_at": p.slot_at, "starts_at": p.starts_at,
              "started_at": p.started_at,
              "finished_at": p.finished_at, "local_version": p.local_version, "error": p.error,
-             "stalled": p.stalled}
+             "stalled": p.stalled, "on_ready": p.on_ready}
             for p in s.pulls],
         "window": {"open": s.window.open, "next_open": s.window.next_open,
                    "closes_at": s.window.closes_at},
@@ -346,6 +348,8 @@ def to_text(doc: Mapping[str, Any]) -> str:
             line += f"; error: {p['error']}"
         if p.get("stalled"):                # absent from an older daemon's document
             line += f"; STALLED: {p['stalled']}"
+        if p.get("on_ready"):
+            line += f"; on_ready: {p['on_ready']}"
         lines.append(line)
     w = doc["window"]
     if w["open"]:

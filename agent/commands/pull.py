@@ -8,6 +8,7 @@ store, 1 with the reason when it is not (pieces already verified are kept: pull 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -21,7 +22,7 @@ from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.pull.progress import Reporter, summary
 from agent.ratelimit import TokenBucket
 from agent.redact import redact
-from agent.store import Store
+from agent.store import Store, StoreError, pointers
 from agent.units import UnitError, parse_rate, parse_size
 from shaping.backoff import pull_backoff
 from shaping.errors import ShapingError
@@ -47,6 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", metavar="FILE",
                    help="take pull settings (streams, timeouts, retries, rate) from a policy, "
                         "and run its shaping and backoff beside the pull")
+    p.add_argument("--current", action="store_true",
+                   help="then point {store}/models/{model}/current at the version (the path an "
+                   "inference server loads)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on stdout (no progress output)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
 
@@ -117,14 +123,19 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
     sources = [Source(u, proxy=args.proxy, ca_bundle=args.ca_bundle,
                       credentials=args.credentials) for u in [source, *args.mirror]]
     stop = stop or threading.Event()
-    reporter = Reporter(quiet=args.quiet)
+    reporter = Reporter(quiet=args.quiet or args.json)
     restore = _stop_on_term(stop)
+    store = Store(args.store)
     try:
-        result = pull_version(sources, model, version, Store(args.store), options=options,
+        result = pull_version(sources, model, version, store, options=options,
                               bucket=bucket, progress=reporter, stop=stop)
-    except PullError as e:
+        if args.current:
+            pointers.set_current(store, result.model, result.version)
+    except (PullError, StoreError) as e:
         reporter.end()
         print(f"wagent pull: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e)}))
         return 1
     except (KeyboardInterrupt, Terminated) as e:
         reporter.end()
@@ -134,7 +145,13 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
         return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     finally:
         restore()
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({"ok": True, "model": result.model, "version": result.version,
+                          "path": str(result.path), "bytes_total": result.bytes_total,
+                          "bytes_fetched": result.bytes_fetched,
+                          "bytes_reused": result.bytes_reused, "files": result.files,
+                          "seconds": round(result.seconds, 3), "current": args.current}))
+    elif not args.quiet:
         print(summary(result), file=sys.stderr)
     return 0
 

@@ -79,8 +79,9 @@ class WorkerDeps:
     pull: PullFn
     evict: Callable[[], None]
     # The version complete in the store for a model: made current (the pointer an inference
-    # server loads), hooks run. Returns nothing; raises on failure (shown, retried next step).
-    ready: Callable[[Model, str], None] = field(default=lambda m, v: None)
+    # server loads), its hook run. Returns the hook's outcome for status, if one ran; raises
+    # on failure (shown, retried at the next step).
+    ready: Callable[[Model, str], str | None] = field(default=lambda m, v: None)
     # Seconds without progress after which a pull shows as stalled: longer than any wait the
     # deadlines allow (agent.application derives it from the pull options).
     stall_after: Callable[[], float] = field(default=lambda: DEFAULT_STALL_AFTER)
@@ -407,13 +408,15 @@ class Worker:
         if st.ready == version:
             return self.policy.poll_interval
         try:
-            self.deps.ready(model, version)
+            hook = self.deps.ready(model, version)
         except Exception as e:
             log.warning("%s %s is complete but making it current failed: %s", model.name,
                         version, e)
             self._set(st, error=f"making {version} current: {e}")
             return min(60.0, self.policy.poll_interval)
         st.ready = version
+        if hook is not None:
+            self._set(st, on_ready=hook)
         if st.info.error and st.info.error.startswith("making "):
             self._set(st, error=None)
         return self.policy.poll_interval

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -297,6 +298,9 @@ def test_cache_node_in_front_origin_serves_each_byte_once(testbed):
         n = Node(name, hostname, h, ep.ifname, d, d / "policy.yaml")
         pol = node_policy(n, sources, role_hosts=roles, cache_lead="6s")
         pol["waves"]["gap"] = "1s"
+        if name == "inf":       # the inference server's reload, as an operator writes it
+            pol["models"][0]["on_ready"] = (f"echo $WAGENT_MODEL $WAGENT_VERSION $WAGENT_PATH "
+                                            f"> {d}/ready.txt")
         n.policy.write_text(yaml.safe_dump(pol))
         nodes.append(n)
     try:
@@ -317,5 +321,13 @@ def test_cache_node_in_front_origin_serves_each_byte_once(testbed):
         assert version_bytes(srv, c_host.ip4) == size
         for n in nodes[1:]:
             assert version_bytes(srv, n.host.ip4) == 0       # they all got it from the cache
+        # Each node points `current` at the version; the inference node's hook ran once.
+        model, version = manifest["model"], manifest["version"]
+        for n in nodes:
+            assert os.readlink(n.store / "models" / model / "current") == version
+        inf = nodes[1]
+        assert (inf.dir / "ready.txt").read_text().split() == [
+            model, version, str(inf.store / "models" / model / version)]
+        assert pull_state(inf)["on_ready"].startswith("exit 0 after")
     finally:
         stop_all(nodes)

@@ -123,3 +123,17 @@ def test_wait_returns_once_the_version_is_complete(origin, tmp_path):
     assert r.returncode == 1                         # no current version yet
     pointers.set_current(Store(store), "m", "v1")
     assert wagent("wait", "m", "--timeout", "1s", "--store", str(store)).returncode == 0
+
+
+def test_pull_current_and_json(origin, tmp_path):
+    store = tmp_path / "store"
+    with LoopbackNginx(origin) as ng:
+        r = wagent("pull", f"{ng.url}/m/v1", "--store", str(store), "--current", "--json")
+        doc = json.loads(r.stdout)
+        assert doc["ok"] and doc["version"] == "v1" and doc["current"] is True
+        assert doc["bytes_fetched"] == doc["bytes_total"] > 0
+        assert os.readlink(store / "models" / "m" / "current") == "v1"
+        wagent("pull", f"{ng.url}/m/v2", "--store", str(store), "--quiet")
+        assert os.readlink(store / "models" / "m" / "current") == "v1"   # not without --current
+        r = wagent("pull", f"{ng.url}/m/v9", "--store", str(store), "--json", check=False)
+    assert r.returncode == 1 and json.loads(r.stdout)["ok"] is False

@@ -56,7 +56,8 @@ def busy_state(**over):
 def test_schema_fields_and_healthy():
     doc = to_json(busy_state(), NOW)
     assert doc["schema"] == SCHEMA == 1
-    assert set(doc) == {"schema", "generated_at", "health", "problems", "daemon", "node",
+    assert doc["running"] is True
+    assert set(doc) == {"schema", "running", "generated_at", "health", "problems", "daemon", "node",
                         "policy", "shaping", "backoff", "pulls", "window", "store"}
     assert doc["health"] == "healthy" and exit_code(doc) == EXIT_HEALTHY
     assert doc["daemon"]["uptime_s"] == 3600
