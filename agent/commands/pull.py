@@ -63,6 +63,10 @@ def split_url(url: str) -> tuple[str, str, str]:
     if len(parts) != 3 or "://" not in parts[0] or not parts[1] or not parts[2]:
         raise ValueError(f"URL {redact(url)!r} must be {{source}}/{{model}}/{{version}}, e.g. "
                          "http://origin:8080/llama/v7 (version may be 'latest')")
+    scheme = parts[0].split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"URL {redact(url)!r}: {scheme}:// is not supported; sources are "
+                         "http:// or https://")
     return parts[0], parts[1], parts[2]
 
 

@@ -62,6 +62,10 @@ class ChangedError(FetchError):
         self.etag = etag
 
 
+class NoRangesError(FetchError):
+    """The source answers Range requests with the whole file: no use for pieces."""
+
+
 class CredentialsError(Exception):
     """A credentials file that can't be read or parsed (its content is never shown)."""
 
@@ -361,8 +365,17 @@ class Client:
             if etag and new_etag != etag:
                 raise ChangedError(f"{redact(url)} changed on the source (ETag {etag} -> "
                                    f"{new_etag})", new_etag)
-            raise FetchError(f"{redact(url)}: answered 200 (the whole file) to a Range "
-                             "request; the source must serve byte ranges")
+            if offset == 0 and total is not None and size == total:
+                # The request covers the whole file: the whole file is the answer, still
+                # checked to the byte (its length here, every piece's hash as it lands).
+                length = r.headers.get("Content-Length")
+                if length is not None and length.strip() != str(size):
+                    raise FetchError(f"{redact(url)}: Content-Length {length} for a file of "
+                                     f"{size} bytes")
+                return new_etag
+            raise NoRangesError(f"{redact(url)}: answered 200 (the whole file) to a Range "
+                                "request: this source ignores Range, and wagent fetches "
+                                "pieces; serve byte ranges (206) from it, or remove it")
         if r.status_code != 206:
             raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
         encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
@@ -555,5 +568,31 @@ def _why(e: BaseException) -> str:
     if isinstance(e, requests.exceptions.ReadTimeout):
         return "timed out reading"
     if isinstance(e, requests.exceptions.ConnectionError):
-        return "connection failed or was reset"
+        return _connection_failure(e)
     return type(e).__name__
+
+
+def _connection_failure(e: BaseException) -> str:
+    """Which of the usual causes broke a connection, from the chain of exceptions under it (its
+    shape differs between urllib3 1.26 and 2.x; the OS error at the bottom is the same)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, socket.gaierror) or type(x).__name__ == "NameResolutionError":
+            return "the host name did not resolve (DNS)"
+        if isinstance(x, ConnectionRefusedError):
+            return "connection refused (nothing listens on that port)"
+        if isinstance(x, ConnectionResetError):
+            return "the connection was reset"
+        if isinstance(x, OSError) and x.errno is not None:
+            return f"connection failed: {x.strerror}"
+        stack += [x.__cause__, x.__context__, *(a for a in getattr(x, "args", ())
+                                                if isinstance(a, BaseException))]
+        reason = getattr(x, "reason", None)
+        if isinstance(reason, BaseException):
+            stack.append(reason)
+    return "connection failed or was reset"

@@ -41,6 +41,7 @@ from agent.pull.http import (
     Client,
     CredentialsError,
     FetchError,
+    NoRangesError,
     Timeouts,
     redact,
     url_for,
@@ -119,6 +120,8 @@ class Transfer:
         # Sources whose ETags were seen to disagree (index -> what was seen): they are sent no
         # If-Range any more, their pieces' sha256 alone judge their bytes (under cond).
         self.etags_ignored: dict[int, str] = {}
+        # Sources that ignore Range (index -> why): skipped for the rest of the pull (under cond).
+        self.no_ranges: dict[int, str] = {}
         self.cond = threading.Condition()
         self.active = 0
         self.error: PullError | None = None
@@ -284,6 +287,11 @@ class Transfer:
         while pieces:
             before = len(pieces)
             order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
+            with self.cond:
+                order = [i for i in order if i not in self.no_ranges]
+                if not order:
+                    # One message for the pull, not one per piece and retry.
+                    raise PullError("; ".join(self.no_ranges.values()))
             for i in order:
                 if not pieces:
                     return i
@@ -303,6 +311,12 @@ class Transfer:
                             self.streams_busy -= 1
                     if not pieces or self.stop.is_set():
                         return i
+                except NoRangesError as e:
+                    with self.cond:
+                        first = i not in self.no_ranges
+                        self.no_ranges[i] = str(e)
+                    if first:
+                        log.warning("%s", e)
                 except FetchError as e:
                     log.info("piece fetch failed, trying the next source: %s", e)
                     failures.append(str(e))

@@ -245,3 +245,31 @@ def test_a_source_behind_an_http_proxy(origin, tmp_path):
         r = pull_version([Source(ng.url, proxy=proxy.url)], "m", "v1", store, options=FAST)
         assert proxy.bytes_sent() >= r.bytes_total
     same_files(r.path, origin / "m" / "v1")
+
+
+def test_a_source_that_ignores_range_is_dropped_on_its_first_200(origin, tmp_path, caplog):
+    """One message for the pull (not one per piece and retry), and the mirror takes over."""
+    store = Store(tmp_path / "store")
+    opts = PullOptions(streams=2, retries=3, backoff_base=0.01, read_timeout=5)
+    with FaultyServer(origin, "full_200") as bad:
+        with pytest.raises(PullError, match="ignores Range") as e:
+            pull_version([Source(bad.url)], "m", "v1", store, options=opts)
+        assert str(e.value).count("ignores Range") <= 2          # once per stream at most
+        assert bad.faults_done <= 2 * opts.streams
+    caplog.clear()
+    with FaultyServer(origin, "full_200") as bad, LoopbackNginx(origin) as good:
+        r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store, options=opts)
+    same_files(r.path, origin / "m" / "v1")
+    assert sum("ignores Range" in m for m in caplog.messages) == 1
+
+
+def test_a_whole_file_answer_is_taken_when_the_request_is_the_whole_file(tmp_path):
+    root = tmp_path / "o"
+    d = root / "m" / "v1"
+    d.mkdir(parents=True)
+    (d / "small.bin").write_bytes(b"s" * 3000)
+    publish_dir(d, piece_size=4096)                     # one piece: one request, the whole file
+    with FaultyServer(root, "full_200", fault_on=r"small\.bin$") as srv:
+        r = pull_version([Source(srv.url)], "m", "v1", Store(tmp_path / "store"), options=FAST)
+        assert srv.faults_done == 1
+    same_files(r.path, d)

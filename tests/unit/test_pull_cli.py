@@ -49,7 +49,7 @@ def test_cli_usage_errors_exit_2(capsys, tmp_path):
 def test_cli_pull_failure_exits_1_with_the_reason(capsys, tmp_path):
     rc = main(["pull", "http://127.0.0.1:9/m/v1", "--store", str(tmp_path / "s"), "-q"])
     assert rc == 1
-    assert "connection failed" in capsys.readouterr().err
+    assert "connection refused" in capsys.readouterr().err
 
 
 def test_cli_manifest_build(tmp_path, capsys):
@@ -69,3 +69,16 @@ def test_the_bar_fits_the_terminal():
         assert len(line) < columns, (columns, line)
         assert "50.0%" in line
     assert "[" in bar_line(progress("progress", 2**29), 80)
+
+
+def test_a_bad_scheme_is_a_usage_error(capsys, tmp_path):
+    assert main(["pull", "ftp://origin/m/v1", "--store", str(tmp_path)]) == 2
+    assert "ftp:// is not supported" in capsys.readouterr().err
+
+
+def test_refused_and_unresolved_are_told_apart(capsys, tmp_path):
+    assert main(["pull", "http://127.0.0.1:9/m/v1", "--store", str(tmp_path / "s"), "-q"]) == 1
+    assert "connection refused" in capsys.readouterr().err
+    assert main(["pull", "http://no-such-host.invalid/m/v1", "--store", str(tmp_path / "s"),
+                 "-q"]) == 1
+    assert "did not resolve" in capsys.readouterr().err
