@@ -123,6 +123,7 @@ class PullProgress:
     files_total: int
     elapsed: float
     file: str | None = None    # for "file": its path
+    bytes_in_flight: int = 0   # received, in pieces not verified yet (not in bytes_done)
 
     @property
     def eta(self) -> float | None:
@@ -292,7 +293,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
             with transfer.cond:
                 fetched, reused = transfer.fetched, transfer.reused
                 busy, verified = transfer.streams_busy, transfer.verified
-                landed = transfer.files_done
+                landed, in_flight = transfer.files_done, transfer.in_flight
             window.append((now, fetched))
             while len(window) > 2 and now - window[0][0] > 3.0:
                 window.pop(0)
@@ -302,7 +303,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 progress(PullProgress(
                     m.model, m.version, event, p.bytes_total, base_done + verified, fetched,
                     reused, rate, busy, len(p.present) + landed, len(distinct), now - started,
-                    path))
+                    path, max(0, in_flight)))
             except Exception:
                 # Progress is for show: a display that fails must not fail the pull.
                 broken.append(True)

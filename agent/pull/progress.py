@@ -14,11 +14,13 @@ from agent.units import format_duration, format_rate, format_size
 def bar_line(p: PullProgress, columns: int = 100) -> str:
     """One line that fits ``columns``: a line longer than the terminal wraps, and ``\r`` then
     redraws only its last part, stacking lines. The details go first, widest last."""
-    frac = p.bytes_done / p.bytes_total if p.bytes_total else 1.0
+    # Bytes in flight count: with large pieces, verified bytes alone move in jumps.
+    done = min(p.bytes_total, p.bytes_done + p.bytes_in_flight)
+    frac = done / p.bytes_total if p.bytes_total else 1.0
     frac = min(1.0, max(0.0, frac))
     eta = p.eta
     parts = [f"{frac * 100:5.1f}%",
-             f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)}",
+             f"{format_size(done)}/{format_size(p.bytes_total)}",
              format_rate(p.rate * 8),
              f"ETA {format_duration(eta) if eta is not None else '?'}",
              f"streams {p.streams}", f"files {p.files_done}/{p.files_total}"]

@@ -129,6 +129,7 @@ class Transfer:
         self.reused = 0
         self.streams_busy = 0
         self.verified = 0                 # bytes of pieces verified (or copied) in this pull
+        self.in_flight = 0                # bytes received of pieces not verified yet
         self.files_done = 0
 
     # -- orchestration --------------------------------------------------------------------------
@@ -383,32 +384,40 @@ class Transfer:
         piece = pieces[0]
         h = hashlib.sha256()
         left = piece.size
-        for data in body:
-            n = len(data)
-            if self.bucket is not None:
-                self.bucket.consume(n, self.stop)
+        pending = 0             # bytes received that no verified piece accounts for yet
+        try:
+            for data in body:
+                n = len(data)
+                if self.bucket is not None:
+                    self.bucket.consume(n, self.stop)
+                with self.cond:
+                    self.fetched += n
+                    self.in_flight += n
+                pending += n
+                f.partial.write(pos, data)
+                pos += n
+                view = memoryview(data)
+                while view:
+                    take = min(len(view), left)
+                    h.update(view[:take])
+                    view = view[take:]
+                    left -= take
+                    if left:
+                        continue
+                    if h.hexdigest() != piece.sha256:
+                        raise _Mismatch(f"{redact(url)}: bytes {piece.offset}+{piece.size} do "
+                                        "not match their sha256 in the manifest")
+                    f.partial.sync()
+                    pending -= piece.size
+                    self._piece_done(f, piece, received=piece.size)
+                    pieces.popleft()
+                    if pieces:
+                        piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
+                if self.stop.is_set() or self.error is not None:
+                    return
+        finally:
             with self.cond:
-                self.fetched += n
-            f.partial.write(pos, data)
-            pos += n
-            view = memoryview(data)
-            while view:
-                take = min(len(view), left)
-                h.update(view[:take])
-                view = view[take:]
-                left -= take
-                if left:
-                    continue
-                if h.hexdigest() != piece.sha256:
-                    raise _Mismatch(f"{redact(url)}: bytes {piece.offset}+{piece.size} do not "
-                                    "match their sha256 in the manifest")
-                f.partial.sync()
-                self._piece_done(f, piece)
-                pieces.popleft()
-                if pieces:
-                    piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
-            if self.stop.is_set() or self.error is not None:
-                return
+                self.in_flight -= pending
 
     def _ignore_etags(self, si: int, seen: str) -> None:
         """Source ``si`` gave two ETags for one file: no more If-Range to it (every answer
@@ -421,8 +430,10 @@ class Transfer:
                     "own ETags for the same bytes; ignoring its ETags, every piece is still "
                     "verified against the manifest", redact(self.sources[si].url), seen)
 
-    def _piece_done(self, f: FileState, piece: Piece) -> None:
+    def _piece_done(self, f: FileState, piece: Piece, received: int = 0) -> None:
+        """``received``: the piece's bytes counted in flight until now (0 for a copy)."""
         with self.cond:
+            self.in_flight -= received
             if piece.offset in f.partial.done:
                 return                    # landed twice: count it once
             f.partial.record_piece(piece.offset, piece.size, piece.sha256)

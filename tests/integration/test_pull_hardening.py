@@ -155,12 +155,13 @@ def test_credentials_in_a_source_url_stay_out_of_the_journal(origin, tmp_path):
 
 def test_progress_calls_are_one_at_a_time_and_never_go_backwards(origin, tmp_path):
     store = Store(tmp_path / "store")
-    inside, seen, overlaps = [0], [], []
+    inside, seen, overlaps, flights = [0], [], [], []
 
     def slow(p):
         inside[0] += 1
         overlaps.append(inside[0] > 1)
         seen.append(p.bytes_done)
+        flights.append((p.event, p.bytes_in_flight, p.bytes_done, p.bytes_total))
         time.sleep(0.002)
         inside[0] -= 1
 
@@ -168,6 +169,9 @@ def test_progress_calls_are_one_at_a_time_and_never_go_backwards(origin, tmp_pat
         pull_version([Source(ng.url)], "m", "v1", store, progress=slow,
                      options=PullOptions(streams=4, request_size=2**16, retries=0))
     assert not any(overlaps) and seen == sorted(seen) and len(seen) > 2
+    # Bytes in flight are never negative, never more than what is left, and none at the end.
+    assert all(0 <= f <= total - done for _, f, done, total in flights)
+    assert flights[-1][:2] == ("done", 0)
 
 
 def test_a_progress_callback_that_raises_neither_breaks_nor_leaks_the_pull(origin, tmp_path):

@@ -82,3 +82,9 @@ def test_refused_and_unresolved_are_told_apart(capsys, tmp_path):
     assert main(["pull", "http://no-such-host.invalid/m/v1", "--store", str(tmp_path / "s"),
                  "-q"]) == 1
     assert "did not resolve" in capsys.readouterr().err
+
+
+def test_the_bar_counts_bytes_in_flight():
+    from dataclasses import replace
+    p = replace(progress("progress", 2**29), bytes_in_flight=2**28)
+    assert "75.0%" in bar_line(p, 100)

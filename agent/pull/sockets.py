@@ -1,0 +1,340 @@
+"""The pull streams' own sockets: their receive windows (a lever) and their TCP_INFO (a signal).
+
+The bottleneck a pull crosses is upstream of this node (a switch or router queue). A cap on this
+node (the IFB's HTB ceil, the token bucket) acts only on packets that already crossed it: the
+sender slows after losses or a full receive buffer, many round trips later, and meanwhile the
+pull's data fills the upstream queue, where a new training flow waits behind it and starts
+starved. What the receiver does control, within one round trip, is the window it advertises:
+a sender never has more than that in flight. So every pull socket's window is clamped
+(``TCP_WINDOW_CLAMP``) to its share of what the controller allows over one round trip plus a
+small queue budget: the pull then holds at most ``rate x budget`` bytes in any queue on its path,
+however deep, and a new flow gets through at once (the receiver-driven LEDBAT idea, without its
+delay controller: the clamp follows the backoff controller's rate).
+
+Linux never retracts a window it advertised: a lower clamp takes effect as the data already
+allowed drains (one round trip). Two knobs set the window, because kernels differ:
+``TCP_WINDOW_CLAMP`` bounds it exactly, but since Linux 6.x receive autotuning and the
+``scaling_ratio`` updates (when the size of arriving packets changes) set the clamp again from
+the buffer's size, undoing ours within milliseconds (measured on 6.18: a clamp of 5792 read back
+11267); ``SO_RCVBUF`` bounds the window on every kernel (a window never exceeds the free buffer),
+and fixing it also turns autotuning off. So each socket gets the clamp ``w`` and a buffer that
+gives a window of ``w``: twice ``w`` on 6.1 (half of a buffer is window there), about ``w`` on
+kernels that measure the ratio, learned from the clamp they set back (``sample``). The buffer is
+set with SO_RCVBUFFORCE where the process may (CAP_NET_ADMIN, which shaping needs anyway), else
+SO_RCVBUF up to ``net.core.rmem_max``. A buffer that small also couples the window to the
+reader: a pull held by its token bucket reads slowly, its buffer stays full and its sender is
+held within a round trip too, not after the ingress cap has dropped what crossed the
+bottleneck; a reader that falls behind (GIL, hashing, a disk) costs throughput, which the
+budget covers. See docs/design.md, "Yielding to training traffic", for the measurements.
+
+The HTTP layer's connections (``agent.pull.http``, through ``registering``) put their sockets in
+``REGISTRY``; the backoff loop calls ``REGISTRY.set_rate`` and reads ``REGISTRY.sample()``.
+
+    REGISTRY.set_rate(10**7)        # every live pull socket: window for 10 Mbit/s
+    REGISTRY.sample()               # -> StreamsSample(streams=8, min_rtt_us=31, ...)
+
+The arithmetic is pure (``window_for``); the class is the thin adapter around setsockopt and
+getsockopt.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import socket
+import struct
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+TCP_WINDOW_CLAMP = getattr(socket, "TCP_WINDOW_CLAMP", 10)
+TCP_INFO = getattr(socket, "TCP_INFO", 11)
+TCP_INFO_LEN = 256               # more than any kernel's struct tcp_info; it copies what it has
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)   # SO_RCVBUF past rmem_max (CAP_NET_ADMIN)
+TCP_RMEM = "/proc/sys/net/ipv4/tcp_rmem"
+# Bytes of window per byte of receive buffer: half (tcp_adv_win_scale = 1) until Linux 6.6; since
+# then the kernel measures it (payload / truesize, near 1 with GRO) and says so by setting the
+# clamp from the buffer, which ``sample`` learns from.
+DEFAULT_SCALE = 0.5
+LEARN_EVERY = 10                 # samples between looks at what the kernel did with the clamp
+
+DEFAULT_MSS = 1448               # 1500-byte MTU, IPv4, TCP timestamps
+MIN_SEGMENTS = 4                 # never clamp below this many segments: fewer stalls on a loss
+# The queue budget: how much standing queue (in seconds at the allowed rate) the pull may keep at
+# the bottleneck on top of one round trip in flight. It also covers what the base RTT leaves
+# out: the receiver's own delay in sending ACKs (softirq, GRO batches, a busy CPU). See
+# docs/design.md, "Yielding to training traffic", for how it was chosen.
+QUEUE_BUDGET = 0.002
+
+# struct tcp_info offsets (include/uapi/linux/tcp.h); fields past the end of what an older
+# kernel returns read as None.
+_U32 = struct.Struct("=I")
+_U64 = struct.Struct("=Q")
+_FIELDS = {
+    "rcv_mss": (20, _U32),
+    "rtt_us": (68, _U32),            # smoothed RTT of what this end sent (the requests)
+    "rcv_rtt_us": (92, _U32),        # the receiver's own estimate (timestamps, ms granularity)
+    "bytes_received": (128, _U64),   # Linux 4.1
+    "min_rtt_us": (148, _U32),       # Linux 4.10; windowed minimum (tcp_min_rtt_wlen)
+}
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    """What one pull socket's TCP_INFO says (None: this kernel doesn't report it)."""
+
+    rcv_mss: int | None = None
+    rtt_us: int | None = None
+    rcv_rtt_us: int | None = None
+    bytes_received: int | None = None
+    min_rtt_us: int | None = None
+
+
+def parse_tcp_info(raw: bytes) -> TcpInfo:
+    values: dict[str, int | None] = {}
+    for name, (off, st) in _FIELDS.items():
+        values[name] = st.unpack_from(raw, off)[0] if len(raw) >= off + st.size else None
+    return TcpInfo(**values)
+
+
+@dataclass(frozen=True)
+class StreamsSample:
+    """The live pull sockets at one instant."""
+
+    streams: int = 0
+    min_rtt_us: int | None = None        # lowest base RTT among them: the path without queues
+    rtt_us: int | None = None            # median smoothed RTT
+    rcv_rtt_us: int | None = None        # median receiver-side RTT estimate
+    bytes_received: int = 0              # cumulative, every socket ever registered
+    window: int | None = None            # the clamp each socket has now (bytes), None: none
+
+
+def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
+               mss: int = DEFAULT_MSS, budget_s: float = QUEUE_BUDGET) -> int | None:
+    """Bytes each of ``streams`` sockets may have in flight so that together they carry
+    ``rate_bps`` over ``base_rtt_s`` while queueing at most ``budget_s`` of it; at least
+    ``MIN_SEGMENTS`` segments. None: no rate, no clamp.
+
+    >>> window_for(10**9, 50e-6, 8)       # 1 Gbit/s, 50 us: 2.05 ms x 125 MB/s over 8 streams
+    32032
+    >>> window_for(10**7, 50e-6, 8)       # 10 Mbit/s: the floor of four segments
+    5792
+    """
+    if rate_bps is None:
+        return None
+    rtt = max(0.0, base_rtt_s or 0.0)
+    total = rate_bps / 8 * (rtt + budget_s)
+    return max(MIN_SEGMENTS * mss, math.ceil(total / max(1, streams)))
+
+
+class _Entry:
+    __slots__ = ("ref", "applied", "received")
+
+    def __init__(self, ref: weakref.ref[socket.socket]) -> None:
+        self.ref = ref
+        self.applied: int | None = None  # the window set on it (None: the kernel's own)
+        self.received = 0                # bytes_received when last sampled
+
+
+class PullSockets:
+    """The registry: sockets come and go with the HTTP connections (weakly held, so a socket
+    dropped by its pool is forgotten, its bytes still counted); the clamp follows
+    ``set_rate``."""
+
+    def __init__(self, budget_s: float = QUEUE_BUDGET) -> None:
+        self.budget_s = budget_s
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._dead: collections.deque[int] = collections.deque()  # filled by weakref callbacks
+        self._keys = itertools.count()
+        self._rate: int | None = None
+        self._base_rtt_s: float | None = None
+        self._gone_bytes = 0             # bytes of sockets no longer registered
+        self._window: int | None = None
+        self._unclamped = tcp_rmem_max()
+        self._scale = DEFAULT_SCALE
+        self._samples = 0
+        self._dirty = False              # the window must be worked out again (RTT, scale)
+        self._applied_n = 0              # sockets the window was last shared among
+        self.errors = 0
+
+    # -- the HTTP layer's side ---------------------------------------------------------------
+    def register(self, sock: socket.socket) -> None:
+        """A new pull connection: it gets the current clamp before its first request."""
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                  socket.AF_INET6):
+            return
+        key = next(self._keys)
+        # The callback may run in any thread, at any time (garbage collection): it only queues.
+        ref = weakref.ref(sock, lambda _r, key=key: self._dead.append(key))
+        with self._lock:
+            if any(e.ref() is sock for e in self._entries.values()):
+                return                           # already known (a connect() called twice)
+            self._entries[key] = _Entry(ref)
+            self._apply_locked()
+
+    # -- the backoff loop's side ---------------------------------------------------------------
+    def set_rate(self, rate_bps: int | None) -> None:
+        """What the controller allows now (None: no limit); every live socket's clamp follows."""
+        with self._lock:
+            self._rate = rate_bps
+            self._apply_locked()
+
+    @property
+    def rate(self) -> int | None:
+        return self._rate
+
+    def sample(self) -> StreamsSample:
+        """TCP_INFO of every live socket (one getsockopt each); also re-sizes the clamp when
+        the path's base RTT changed."""
+        infos: list[TcpInfo] = []
+        with self._lock:
+            self._samples += 1
+            live = self._live_locked()
+            for sock, entry in live:
+                try:
+                    info = parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO,
+                                                          TCP_INFO_LEN))
+                except OSError:
+                    continue
+                infos.append(info)
+                if info.bytes_received is not None:
+                    entry.received = info.bytes_received
+                if (entry.applied is not None and self._rate is not None
+                        and self._samples % LEARN_EVERY == 0):
+                    self._learn_scale_locked(sock, entry)
+            total = self._gone_bytes + sum(e.received for _, e in live)
+            base = _min_of(i.min_rtt_us for i in infos)
+            if base is not None and (self._base_rtt_s is None
+                                     or abs(base / 1e6 - self._base_rtt_s) > 0.1 * base / 1e6):
+                self._base_rtt_s = base / 1e6
+                self._dirty = True
+            if self._dirty or len(live) != self._applied_n:
+                self._apply_locked(live)
+            window = self._window
+        return StreamsSample(len(infos), base, _median(i.rtt_us for i in infos),
+                             _median(i.rcv_rtt_us for i in infos), total, window)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _live_locked(self) -> list[tuple[socket.socket, _Entry]]:
+        while self._dead:
+            entry = self._entries.pop(self._dead.popleft(), None)
+            if entry is not None:
+                self._gone_bytes += entry.received
+        live = []
+        for key, entry in list(self._entries.items()):
+            sock = entry.ref()
+            if sock is None or sock.fileno() < 0:   # closed: its bytes stay counted
+                self._gone_bytes += entry.received
+                del self._entries[key]
+                continue
+            live.append((sock, entry))
+        return live
+
+    def _learn_scale_locked(self, sock: socket.socket, entry: _Entry) -> None:
+        """A kernel that set the clamp again from the buffer (6.x, see the docstring) says how
+        much window a byte of buffer gives: the buffers are sized by that from then on."""
+        try:
+            clamp = sock.getsockopt(socket.IPPROTO_TCP, TCP_WINDOW_CLAMP)
+            buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        except OSError:
+            return
+        if clamp == entry.applied or buffer <= 0 or clamp <= 0:
+            return
+        scale = min(1.0, clamp / buffer)
+        if abs(scale - self._scale) > 0.1 * self._scale:
+            self._scale = scale
+            self._dirty = True
+            for e in self._entries.values():
+                e.applied = None                 # every buffer again, with the new scale
+
+    def _apply_locked(self, live: list[tuple[socket.socket, _Entry]] | None = None) -> None:
+        self._dirty = False
+        live = self._live_locked() if live is None else live
+        self._applied_n = len(live)
+        window = window_for(self._rate, self._base_rtt_s, len(live), budget_s=self.budget_s)
+        self._window = window
+        for sock, entry in live:
+            # No rate: the window autotuning would reach at most (a fixed buffer can't be
+            # handed back to autotuning once set).
+            want = window if window is not None else (None if entry.applied is None
+                                                      else self._unclamped // 2)
+            if want == entry.applied:
+                continue
+            try:
+                set_window(sock, want, self._scale)
+            except OSError as e:   # closed under us, or a kernel without it: the caps still hold
+                self.errors += 1
+                if self.errors == 1:
+                    log.warning("can't clamp a pull socket's receive window: %s", e)
+                continue
+            entry.applied = want
+
+
+def buffer_for(window: int, scale: float = DEFAULT_SCALE) -> int:
+    """The SO_RCVBUF value that gives a window of ``window`` bytes when a byte of buffer gives
+    ``scale`` bytes of window (the kernel doubles the value it is given).
+
+    >>> buffer_for(5792), buffer_for(5792, 0.97)
+    (5792, 2986)
+    """
+    return max(1, math.ceil(window / (2 * scale)))
+
+
+def set_window(sock: socket.socket, window: int, scale: float = DEFAULT_SCALE) -> None:
+    """Clamp one socket's receive window to ``window`` bytes (see the module's docstring)."""
+    value = buffer_for(window, scale)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, value)
+    except PermissionError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, value)  # capped at rmem_max
+    sock.setsockopt(socket.IPPROTO_TCP, TCP_WINDOW_CLAMP, window)
+
+
+def tcp_rmem_max(path: str = TCP_RMEM) -> int:
+    """The largest receive buffer TCP autotuning may grow to (bytes); 6 MiB if unreadable."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 6 << 20
+
+
+def _min_of(values: Iterable[int | None]) -> int | None:
+    vals = [v for v in values if v]
+    return min(vals) if vals else None
+
+
+def _median(values: Iterable[int | None]) -> int | None:
+    vals = sorted(v for v in values if v is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
+# The process's pull sockets: one pull engine per process (the daemon, or `wagent pull`).
+REGISTRY = PullSockets()
+
+
+_REGISTERING: dict[type, type] = {}
+
+
+def registering(connection_cls: type) -> type:
+    """A subclass of urllib3's ``HTTPConnection`` or ``HTTPSConnection`` (1.26 and 2.x alike)
+    whose sockets register in ``REGISTRY`` once connected (after TLS, behind a proxy too).
+    Taking the class keeps urllib3 out of this module's imports: the backoff loop imports it."""
+    if connection_cls not in _REGISTERING:
+
+        class Registered(connection_cls):  # type: ignore[misc, valid-type]
+            def connect(self) -> None:
+                super().connect()
+                sock = getattr(self, "sock", None)
+                if isinstance(sock, socket.socket):
+                    REGISTRY.register(sock)
+
+        Registered.__name__ = Registered.__qualname__ = f"Registered{connection_cls.__name__}"
+        _REGISTERING[connection_cls] = Registered
+    return _REGISTERING[connection_cls]
