@@ -13,6 +13,7 @@ since start), ``pull_rate_bits_per_second{model}``, ``pull_done_bytes{model,vers
 ``shaping_cap_bits_per_second``, ``shaping_ceil_bits_per_second``,
 ``shaping_class_{bytes,packets,drops,overlimits}_total{interface,direction,class}``,
 ``backoff_state{state}``, ``backoff_rate_bits_per_second``, ``backoff_events_total``,
+``backoff_signal_events_total{signal}``,
 ``detector_reading{name}``, ``store_used_bytes``, ``store_free_bytes``, ``store_versions``,
 ``errors_total{kind}``, ``policy_reloads_total``, ``policy_reload_refused``.
 """
@@ -33,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from agent.policy_model import Metrics as MetricsPolicy
 from agent.status import PULL_STATES
+from shaping.controller import SIGNAL_KINDS
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,12 @@ def families(doc: dict[str, Any], fetched: dict[str, int]) -> Iterator[Metric]:
                 value=b["rate_bps"])
     yield CounterMetricFamily("wagent_backoff_events", "Times training traffic made wagent "
                               "back off", value=b["events_total"])
+    by = CounterMetricFamily("wagent_backoff_signal_events", "Backoffs by the kind of signal "
+                             "that caused them (one backoff may count for several)",
+                             labels=["signal"])
+    for kind in SIGNAL_KINDS:
+        by.add_metric([kind], b.get("events_by_signal", {}).get(kind, 0))
+    yield by
     r = g("wagent_detector_reading", "Detector readings (rates in bits/s, counts)",
           labels=["name"])
     for name, v in b["readings"].items():

@@ -230,6 +230,8 @@ class Builder:
         return self._bounds(value, meta, line, path)
 
     def _bounds(self, value: Any, meta: typing.Mapping[str, Any], line: int, path: str) -> Any:
+        if isinstance(value, units.Share):
+            return value                    # within (0, 100%] by its parser; min/max are rates
         fmt = _PARSERS[meta["unit"]][1] if meta.get("unit") in _PARSERS else str
         low, high = meta.get("min"), meta.get("max")
         if (low is not None and value < low) or (high is not None and value > high):
@@ -282,6 +284,7 @@ class Builder:
 
 _PARSERS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], str]]] = {
     "rate": (units.parse_rate, units.format_rate),
+    "rate_share": (units.parse_rate_or_share, units.format_rate),
     "size": (units.parse_size, units.format_size),
     "duration": (units.parse_duration, lambda s: units.format_duration(s) if s >= 1 else
                  f"{s * 1000:g}ms"),
@@ -319,9 +322,12 @@ def _unknown(key: str, path: str, fields: dict[str, Any]) -> str:
 
 def _strip_optional(hint: Any) -> tuple[bool, Any]:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        every = typing.get_args(hint)
+        args = [a for a in every if a is not type(None)]
         if len(args) == 1:
             return True, args[0]
+        if len(args) < len(every):          # e.g. int | Share | None: the unit's parser decides
+            return True, typing.Union[tuple(args)]
     return False, hint
 
 

@@ -48,9 +48,9 @@ class Scheduler:
     def __init__(self, workers: int = 32, misfire_grace_time: float | None = None) -> None:
         # misfire_grace_time is a parameter only so a test can show what the default would do.
         defaults = dict(JOB_DEFAULTS, misfire_grace_time=misfire_grace_time)
+        self._pool = ThreadPoolExecutor(max_workers=workers)
         self._aps = BackgroundScheduler(
-            timezone=UTC, job_defaults=defaults,
-            executors={"default": ThreadPoolExecutor(max_workers=workers)})
+            timezone=UTC, job_defaults=defaults, executors={"default": self._pool})
 
     def start(self) -> None:
         self._aps.start()
@@ -61,8 +61,15 @@ class Scheduler:
         return bool(self._aps.running and thread is not None and thread.is_alive())
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop; with ``wait``, until the running jobs have returned.
+
+        APScheduler's own wait joins the pool while it holds its job-store lock, so a job that
+        adds or cancels a job as it ends (a pull does) would deadlock it: stop without waiting,
+        then join the pool here, holding nothing."""
         if self._aps.running:
-            self._aps.shutdown(wait=wait)
+            self._aps.shutdown(wait=False)
+        if wait:
+            self._pool.shutdown(wait=True)
 
     def at(self, when: float | datetime, func: Callable[..., Any], *, job_id: str,
            args: Iterable[Any] = ()) -> None:

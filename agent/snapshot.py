@@ -25,6 +25,7 @@ from agent.status import (
     WindowInfo,
 )
 from agent.store import Store
+from agent.store.layout import NOT_VERSIONS
 
 if TYPE_CHECKING:
     from agent.application import Parts
@@ -99,7 +100,7 @@ def store_info(store: Store) -> StoreInfo:
     for model in store.model_names():
         with contextlib.suppress(OSError):
             versions += sum(1 for n in os.listdir(store.model_dir(model))
-                            if not n.startswith("."))
+                            if not n.startswith(".") and n not in NOT_VERSIONS)
     try:
         vfs = os.statvfs(store.root)
         free: int | None = vfs.f_bavail * vfs.f_frsize

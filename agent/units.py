@@ -9,11 +9,17 @@ Rates are bits per second internally (``int``), sizes bytes (``int``), durations
 (67108864, 1000000000)
 >>> parse_duration("15m"), parse_duration("1h30m"), parse_duration("100ms")
 (900.0, 5400.0, 0.1)
+
+Some rates may also be written as a share of another (``floor: 1%`` of ``link_rate``):
+
+>>> parse_rate_or_share("1%"), parse_rate_or_share("0.5%").of(10**9), parse_rate_or_share("1gbit")
+(Share(percent=1.0), 5000000, 1000000000)
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 RATE_FORMS = "a number and a unit: bit, kbit, mbit, gbit, tbit (per second) or B/s, KB/s, MB/s, " \
     "GB/s, KiB/s, MiB/s, GiB/s (bytes per second), e.g. 300mbit, 25gbit, 200MB/s"
@@ -32,6 +38,43 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 
 class UnitError(ValueError):
     """A value that doesn't parse; the message names the accepted forms."""
+
+
+@dataclass(frozen=True)
+class Share:
+    """A rate written as a percentage of another rate (the policy resolves it: ``of``)."""
+
+    percent: float
+
+    def of(self, bits_per_second: int) -> int:
+        """The rate this share is of ``bits_per_second``: at least 1 bit/s."""
+        return max(1, int(round(bits_per_second * self.percent / 100)))
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%"
+
+
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+SHARE_FORMS = "or a share of the link, e.g. 1%"
+
+
+def parse_rate_or_share(text: str | int | float) -> int | Share:
+    """A rate (``300mbit``) or a percentage (``1%``, more than 0 and at most 100)."""
+    if isinstance(text, str) and "%" in text:
+        m = _PERCENT.match(text)
+        if not m or not 0 < float(m.group(1)) <= 100:
+            raise UnitError(f"bad share {text!r}; a share is more than 0% and at most 100%, "
+                            "e.g. 1% or 0.5%")
+        return Share(float(m.group(1)))
+    try:
+        return parse_rate(text)
+    except UnitError as e:
+        raise UnitError(f"{e}, {SHARE_FORMS}") from None
+
+
+def resolve_rate(value: int | Share | None, base: int) -> int | None:
+    """An absolute rate: a ``Share`` taken of ``base``; a rate or None as it is."""
+    return value.of(base) if isinstance(value, Share) else value
 
 
 def parse_rate(text: str | int | float) -> int:
@@ -71,8 +114,10 @@ def parse_duration(text: str | int | float) -> float:
     return round(sum(float(n) * _DURATION_UNITS[u] for n, u in parts), 6)
 
 
-def format_rate(bits_per_second: float) -> str:
+def format_rate(bits_per_second: float | Share) -> str:
     """``480 Mbit/s`` style, for people (status lines, logs, tables)."""
+    if isinstance(bits_per_second, Share):
+        return f"{bits_per_second} of the link"
     for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
         if bits_per_second >= scale:
             return f"{bits_per_second / scale:.3g} {unit}"

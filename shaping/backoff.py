@@ -1,16 +1,18 @@
 """The backoff loop: every tick, read the detectors, run the controller, apply its rate.
 
-The rate goes to both sides at once through two callbacks: the kernel's HTB ceil of the
-distribution class (``shaping.shaper.Shaper.set_ceil``) and the pulls' token bucket
-(``agent.ratelimit.TokenBucket.set_rate``). Either may be None (no shaping on this node; a
+The rate goes to three places at once, through callbacks, the fastest first: the pull sockets'
+receive windows (``agent.pull.sockets.PullSockets.set_rate``: the sender slows within one round
+trip, and the pull's share of the upstream queue stays small), the pulls' token bucket
+(``agent.ratelimit.TokenBucket.set_rate``) and the kernel's HTB ceil of the distribution class
+(``shaping.shaper.Shaper.set_ceil``), the hard cap. Any may be None (no shaping on this node; a
 daemon with nothing pulling). The clock and the sleep are passed in, so a test drives ticks by
 hand with ``tick()``; ``start()`` runs them on a thread.
 
     loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
                        Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
-                       set_kernel_ceil=shaper.set_ceil, set_pull_rate=BucketRate(bucket),
-                       distribution=shaper_distribution(shaper, policy.shaping.interfaces),
-                       tick=policy.backoff.tick)
+                       set_windows=REGISTRY.set_rate, set_kernel_ceil=shaper.set_ceil,
+                       set_pull_rate=BucketRate(bucket), distribution=shaper.counters,
+                       streams=REGISTRY.sample, tick=policy.backoff.tick)
     loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
     loop.status()   # plain values for status --json and metrics
@@ -30,16 +32,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.policy_model import Backoff, Policy, Source
+from agent.pull.sockets import REGISTRY, PullSockets, StreamsSample
 from agent.units import format_rate
 from shaping.controller import Controller, Decision
 from shaping.detect import Detectors
+from shaping.detect.link import Counters
 from shaping.detect.readings import Readings
 
 log = logging.getLogger("wagent.backoff")
 
 RateSink = Callable[[int], Any]
-DistributionSource = Callable[[], Mapping[str, tuple[int, int]] | None]
-HISTORY = 600  # decisions kept for status and benchmarks (10 min at 1 s, 1 min at 100 ms)
+DistributionSource = Callable[[], Mapping[str, Counters] | None]
+MIN_TICK = 0.01
+HISTORY = 600  # decisions kept for status and benchmarks (1 min at the default 100 ms)
 
 
 @dataclass(frozen=True)
@@ -50,23 +55,32 @@ class Applied:
     rate_bps: int
     state: str
     reason: str
+    signals: tuple[str, ...] = ()
 
 
 class BackoffLoop:
     def __init__(self, controller: Controller, detectors: Detectors, *,
                  set_kernel_ceil: RateSink | None = None, set_pull_rate: RateSink | None = None,
-                 distribution: DistributionSource | None = None, tick: float = 1.0,
+                 set_windows: RateSink | None = None,
+                 distribution: DistributionSource | None = None,
+                 streams: Callable[[], StreamsSample] | None = None, tick: float = 0.1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self.controller = controller
         self.detectors = detectors
         self.sinks: dict[str, RateSink] = {}
-        if set_kernel_ceil is not None:
-            self.sinks["kernel ceil"] = set_kernel_ceil
+        # The windows first: they act within a round trip; the bucket next; the ceil (the hard
+        # cap, a netlink request) last.
+        if set_windows is not None:
+            self.sinks["receive windows"] = set_windows
         if set_pull_rate is not None:
             self.sinks["pull rate"] = set_pull_rate
+        if set_kernel_ceil is not None:
+            self.sinks["kernel ceil"] = set_kernel_ceil
         self.distribution = distribution
-        self.tick_s = max(0.1, float(tick))
+        self.streams_source = streams
+        self.streams: StreamsSample | None = None
+        self.tick_s = max(MIN_TICK, float(tick))
         self._clock = clock
         self._stop = threading.Event()
         self._sleep = sleep if sleep is not None else self._stop.wait
@@ -112,9 +126,16 @@ class BackoffLoop:
                      decision.state, decision.reason)
         for err in readings.errors:
             self._note_error(err)
+        streams = None
+        if self.streams_source is not None:
+            try:   # the pull sockets' RTTs and windows, for status (and the windows' RTT)
+                streams = self.streams_source()
+            except Exception as e:
+                self._note_error(f"reading the pull sockets: {e}")
         with self._lock:
-            self.decision, self.readings = decision, readings
-            self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason))
+            self.decision, self.readings, self.streams = decision, readings, streams
+            self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason,
+                                        decision.signals))
             self.ticks += 1
         return decision
 
@@ -136,11 +157,12 @@ class BackoffLoop:
         """A reloaded policy: new thresholds, cap, tick and detectors; the state carries on
         (a node backed off for training stays backed off)."""
         with self._lock:
+            self.controller.link = policy.shaping.link_rate
             self.controller.backoff = policy.backoff
             self.controller.set_cap(cap_for(policy, rate))
             self.detectors = Detectors.from_policy(policy.backoff, policy.shaping.interfaces,
                                                    link=self.detectors.link is not None)
-            self.tick_s = max(0.1, float(policy.backoff.tick))
+            self.tick_s = max(MIN_TICK, float(policy.backoff.tick))
 
     def start(self) -> BackoffLoop:
         self._stop.clear()
@@ -161,13 +183,14 @@ class BackoffLoop:
     def status(self) -> dict[str, Any]:
         """Plain values for ``wagent status --json`` and the metrics."""
         with self._lock:
-            d, r = self.decision, self.readings
+            d, r, st = self.decision, self.readings, self.streams
         return {
             "state": d.state if d else "full",
             "rate_bps": d.rate_bps if d else self.controller.cap,
             "reason": d.reason if d else "not started",
             "since": d.since if d else None,
             "events": self.events,
+            "events_by_signal": dict(self.controller.events_by_signal),
             "ticks": self.ticks,
             "cap_bps": self.controller.cap,
             "floor_bps": self.controller.floor,
@@ -177,6 +200,10 @@ class BackoffLoop:
             "other_bps": max((x.other_bps for x in r.links), default=0.0) if r else 0.0,
             "rdma_bps": max((x.bps for x in r.rdma), default=0.0) if r else 0.0,
             "nccl_processes": len(r.nccl) if r else 0,
+            "pull_streams": st.streams if st else 0,
+            "pull_min_rtt_us": st.min_rtt_us if st else None,
+            "pull_rtt_us": st.rtt_us if st else None,
+            "pull_window_bytes": st.window if st else None,
         }
 
     def _note_error(self, text: str) -> None:
@@ -210,34 +237,50 @@ class BucketRate:
 
 def start_for_pull(policy: Policy, bucket: Any, shaper: Any | None = None, *,
                    rate: int | None = None, bytes_read: Callable[[], int] | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> BackoffLoop | None:
-    """Run the policy's backoff beside one ``wagent pull``; None when backoff is disabled.
+                   clock: Callable[[], float] = time.monotonic,
+                   sockets: PullSockets | None = REGISTRY) -> BackoffLoop | None:
+    """Run the policy's backoff beside a pull (``wagent pull --policy`` and the daemon alike);
+    None when backoff is disabled (then the pull sockets' windows are left to the kernel).
 
     ``bucket`` is the pull's ``TokenBucket`` (``set_rate(bits_per_s)``, ``rate``); ``shaper`` the
-    applied ``shaping.shaper.Shaper`` (``set_ceil``, ``stats``) or None without kernel shaping.
-    The link detector needs the distribution's own bytes to tell other traffic from ours: the
-    shaper's class counters, else ``bytes_read()`` (the pull's received bytes) on a single
-    interface; without either it stays off, and the ports, RDMA and NCCL detectors still count.
+    applied ``shaping.shaper.Shaper`` (``set_ceil``, ``counters``) or None without kernel
+    shaping; ``sockets`` the registry of the pull's sockets, whose receive windows follow the
+    rate. The link detector needs the distribution's own bytes to tell other traffic from ours:
+    the shaper's ingress counters (exact), else the pull sockets' received bytes, else
+    ``bytes_read()`` (the pull's bytes as read), on a single interface; without any it stays
+    off, and the ports, RDMA and NCCL detectors still count.
     """
     backoff: Backoff = policy.backoff
     if not backoff.enabled:
+        if sockets is not None:
+            sockets.set_rate(None)
         return None
     interfaces = tuple(policy.shaping.interfaces)
     distribution: DistributionSource | None = None
     if shaper is not None:
         distribution = shaper_distribution(shaper, interfaces)
-    elif bytes_read is not None and len(interfaces) == 1:
+    elif len(interfaces) == 1 and (sockets is not None or bytes_read is not None):
         ifname = interfaces[0]
 
-        def distribution() -> Mapping[str, tuple[int, int]]:
+        def distribution() -> Mapping[str, Counters]:
+            # Payload bytes against the link's rx_bytes (headers included): the ACK share
+            # allowance and the thresholds absorb the difference.
+            if sockets is not None:
+                return {ifname: (sockets.sample().bytes_received, 0)}
+            assert bytes_read is not None
             return {ifname: (int(bytes_read()), 0)}
 
+    if sockets is not None:
+        sockets.budget_s = backoff.queue_budget
     detectors = Detectors.from_policy(backoff, interfaces, link=distribution is not None)
-    controller = Controller(backoff, cap_for(policy, rate))
+    controller = Controller(backoff, cap_for(policy, rate), link_bps=policy.shaping.link_rate)
     loop = BackoffLoop(controller, detectors,
                        set_kernel_ceil=shaper.set_ceil if shaper is not None else None,
                        set_pull_rate=BucketRate(bucket) if bucket is not None else None,
-                       distribution=distribution, tick=backoff.tick, clock=clock)
+                       set_windows=sockets.set_rate if sockets is not None else None,
+                       distribution=distribution,
+                       streams=sockets.sample if sockets is not None else None,
+                       tick=backoff.tick, clock=clock)
     return loop.start()
 
 
@@ -286,9 +329,13 @@ def pull_backoff(policy: Policy, bucket: Any, *, rate: int | None = None,
 
 
 def shaper_distribution(shaper: Any, interfaces: Sequence[str]) -> DistributionSource:
-    """``{ifname: (rx_bytes, tx_bytes)}`` of the distribution classes, from ``Shaper.stats()``."""
+    """The distribution's counters per interface: ``Shaper.counters()`` (the ingress hook's
+    exact counters), else the classes' counters from ``Shaper.stats()``."""
+    counters = getattr(shaper, "counters", None)
+    if callable(counters):
+        return counters
 
-    def read() -> Mapping[str, tuple[int, int]]:
+    def read() -> Mapping[str, Counters]:
         return distribution_bytes(shaper.stats(), interfaces)
 
     return read

@@ -4,7 +4,9 @@ AIMD with hysteresis. Each tick the readings are judged (``assess``):
 
 - *training*: a TCP connection on a training port (its presence alone: a flow that distribution
   starves carries little at first), a process mapping libnccl, RDMA at or above
-  ``rdma_threshold``, or other link traffic at or above ``link_threshold``;
+  ``rdma_threshold``, or other link traffic at or above ``link_threshold`` (any port: the
+  pull's receive windows keep its share of the bottleneck's queue small, so a new flow is not
+  starved and shows up in the link's counters within the tick it starts);
 - *quiet*: none of those, and RDMA and other traffic below half their thresholds;
 - in between (the hysteresis band): neither; nothing changes.
 
@@ -20,7 +22,9 @@ the cap, where the state is "full" again.
 'full'
 >>> d = c.step(Readings(at=1.0, ports=(PortReading(29500, 1, None, ("10.0.0.1:29500",)),)), 1.0)
 >>> d.rate_bps, d.state, d.reason
-(10000000, 'backed_off', 'training connection on port 29500 (10.0.0.1:29500)')
+(10000000, 'backed_off', 'a TCP connection on training port 29500 (10.0.0.1:29500)')
+>>> d.signals
+('training_port',)
 >>> [c.step(Readings(at=t), t).rate_bps for t in (2.0, 3.0, 4.0, 5.0, 6.0)]
 [10000000, 410000000, 810000000, 1000000000, 1000000000]
 """
@@ -34,6 +38,9 @@ from agent.units import format_rate
 from shaping.detect.readings import Readings
 
 FULL, BACKED_OFF, RAMPING = "full", "backed_off", "ramping"
+# The kinds of signal that make the controller back off (metrics label them by these names).
+TRAINING_PORT, LINK, RDMA, NCCL = "training_port", "link", "rdma", "nccl"
+SIGNAL_KINDS = (TRAINING_PORT, LINK, RDMA, NCCL)
 QUIET_FRACTION = 0.5          # quiet means below half the trigger thresholds
 RDMA_OPS_THRESHOLD = 1000.0   # RDMA requests/s that count when no byte counter is readable
 MAX_REASONS = 2
@@ -44,6 +51,7 @@ EPSILON = 1e-6                # ticks at 0.1 s add up to 0.9999999 s
 class Signal:
     level: str                # "training" | "band" | "quiet"
     reason: str
+    kinds: tuple[str, ...] = ()   # the SIGNAL_KINDS that said "training"
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,15 @@ class Decision:
     reason: str
     changed: bool             # rate or state differs from the previous tick's
     since: float              # when the current state began
+    signals: tuple[str, ...] = ()  # kinds behind a backoff this tick (empty when not training)
 
 
-def assess(readings: Readings, backoff: Backoff) -> Signal:
-    """Judge one tick's readings: training present, quiet, or in the band between."""
-    causes: list[str] = []
+def assess(readings: Readings, backoff: Backoff, link_bps: int | None = None) -> Signal:
+    """Judge one tick's readings: training present, quiet, or in the band between.
+
+    ``backoff``'s rates must be absolute (``Backoff.resolved``); ``link_bps``, when known, puts
+    other traffic in proportion to the link in the reason."""
+    causes: list[tuple[str, str]] = []
     band: list[str] = []
     other = max(readings.links, key=lambda r: r.other_bps, default=None)
     worded = None  # the link whose traffic a port's reason already names
@@ -66,46 +78,59 @@ def assess(readings: Readings, backoff: Backoff) -> Signal:
             continue
         if p.bps:
             peers = f" ({', '.join(p.peers)})" if p.peers else ""
-            causes.append(f"training traffic {format_rate(p.bps)} on port {p.port}{peers}")
+            causes.append((TRAINING_PORT, f"training traffic {format_rate(p.bps)} on port "
+                                          f"{p.port}{peers}"))
         else:
             peers = ", ".join(p.peers) or f"{p.connections} connections"
             extra = ""
             if other is not None and other.other_bps >= backoff.link_threshold * QUIET_FRACTION:
-                extra = f", {format_rate(other.other_bps)} other traffic on {other.ifname}"
+                extra = f"; {_other(other.other_bps, other.ifname, link_bps)}"
                 worded = other
-            causes.append(f"training connection on port {p.port} ({peers}{extra})")
+            what = "a TCP connection" if p.connections == 1 else f"{p.connections} TCP connections"
+            causes.append((TRAINING_PORT, f"{what} on training port {p.port} ({peers}{extra})"))
     for r in readings.rdma:
         if r.bps >= backoff.rdma_threshold:
-            causes.append(f"RDMA {format_rate(r.bps)} on {r.name}")
+            causes.append((RDMA, f"RDMA traffic {format_rate(r.bps)} on {r.name}"))
         elif r.ops_per_s >= RDMA_OPS_THRESHOLD:
-            causes.append(f"RDMA {r.ops_per_s:.0f} requests/s on {r.name}")
+            causes.append((RDMA, f"RDMA {r.ops_per_s:.0f} requests/s on {r.name}"))
         elif (r.bps >= backoff.rdma_threshold * QUIET_FRACTION
               or r.ops_per_s >= RDMA_OPS_THRESHOLD * QUIET_FRACTION):
             band.append(f"some RDMA traffic on {r.name}")
     if backoff.nccl_processes:
-        causes += [f"NCCL process {n.pid} ({n.comm})" for n in readings.nccl]
+        causes += [(NCCL, f"NCCL process {n.pid} ({n.comm})") for n in readings.nccl]
     for link in sorted(readings.links, key=lambda r: -r.other_bps):
         if link is worded:
             continue
         if link.other_bps >= backoff.link_threshold:
-            causes.append(f"other traffic {format_rate(link.other_bps)} on {link.ifname}")
+            causes.append((LINK, _other(link.other_bps, link.ifname, link_bps)))
         elif link.other_bps >= backoff.link_threshold * QUIET_FRACTION:
-            band.append(f"other traffic {format_rate(link.other_bps)} on {link.ifname}")
+            band.append(_other(link.other_bps, link.ifname, link_bps))
     if causes:
         more = len(causes) - MAX_REASONS
-        text = "; ".join(causes[:MAX_REASONS]) + (f" (+{more} more)" if more > 0 else "")
-        return Signal("training", text)
+        text = "; ".join(c for _, c in causes[:MAX_REASONS]) + (f" (+{more} more)" if more > 0
+                                                                 else "")
+        return Signal("training", text, tuple(dict.fromkeys(k for k, _ in causes)))
     if band:
         return Signal("band", band[0])
     return Signal("quiet", "no training traffic")
 
 
-class Controller:
-    """Holds the AIMD state between ticks; ``step`` is deterministic in (readings, now)."""
+def _other(bps: float, ifname: str, link_bps: int | None) -> str:
+    share = f", {100 * bps / link_bps:.0f}% of the link" if link_bps else ""
+    return f"other traffic {format_rate(bps)} on {ifname} (not wagent's, any port{share})"
 
-    def __init__(self, backoff: Backoff, cap_bps: int, min_hold: float | None = None) -> None:
-        self.backoff = backoff
+
+class Controller:
+    """Holds the AIMD state between ticks; ``step`` is deterministic in (readings, now).
+
+    ``link_bps``: the link's rate, which shares of the link in ``backoff`` are taken of (a
+    policy's ``backoff`` is already resolved); the cap when not given."""
+
+    def __init__(self, backoff: Backoff, cap_bps: int, min_hold: float | None = None,
+                 link_bps: int | None = None) -> None:
+        self.link = link_bps
         self.cap = int(cap_bps)
+        self.backoff = backoff
         self.min_hold = backoff.quiet if min_hold is None else min_hold
         self._rate = self.cap
         self._state = FULL
@@ -114,6 +139,15 @@ class Controller:
         self._reason = "no training traffic"
         self._cause = ""                       # the last training reason, kept while quiet
         self.events = 0                        # times training cut the rate from full/ramping
+        self.events_by_signal: dict[str, int] = {}   # the same, counted per signal kind
+
+    @property
+    def backoff(self) -> Backoff:
+        return self._backoff
+
+    @backoff.setter
+    def backoff(self, value: Backoff) -> None:
+        self._backoff = value.resolved(self.link or self.cap)
 
     @property
     def floor(self) -> int:
@@ -132,15 +166,17 @@ class Controller:
         if not self.backoff.enabled:
             self._rate, self._reason = self.cap, "backoff disabled"
             return self._decide(prev, FULL, now)
-        signal = assess(readings, self.backoff)
+        signal = assess(readings, self.backoff, self.link)
         if signal.level != "quiet":
             self._busy_at = now
         if signal.level == "training":
             if self._state != BACKED_OFF:
                 self.events += 1
+                for kind in signal.kinds:
+                    self.events_by_signal[kind] = self.events_by_signal.get(kind, 0) + 1
             self._rate = self._cut(self._rate)
             self._reason = self._cause = signal.reason
-            return self._decide(prev, BACKED_OFF, now)
+            return self._decide(prev, BACKED_OFF, now, signal.kinds)
         if self._state == FULL:
             self._rate = self.cap
             self._reason = signal.reason
@@ -168,9 +204,11 @@ class Controller:
             return self.floor
         return max(self.floor, int(rate * self.backoff.decrease))
 
-    def _decide(self, prev: tuple[int, str], state: str, now: float) -> Decision:
+    def _decide(self, prev: tuple[int, str], state: str, now: float,
+                signals: tuple[str, ...] = ()) -> Decision:
         if state != self._state:
             self._since = now
         self._state = state
         assert self._since is not None
-        return Decision(self._rate, state, self._reason, (self._rate, state) != prev, self._since)
+        return Decision(self._rate, state, self._reason, (self._rate, state) != prev, self._since,
+                        signals)

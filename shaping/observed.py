@@ -71,6 +71,19 @@ class ClassStats:
 
 
 @dataclass(frozen=True)
+class LinkCounters:
+    """Cumulative counters of one shaped interface for the link detector (bytes).
+
+    ``rx_seen`` and ``rx_dist`` come from the same hook (the ingress qdisc and its redirects),
+    so ``rx_seen - rx_dist`` is exactly what arrived that is not distribution traffic; without
+    an ingress hook ``rx_seen`` is None and the link's own rx_bytes stands in."""
+
+    rx_dist: int = 0                     # distribution bytes that arrived
+    tx_dist: int = 0                     # distribution bytes sent (the egress class)
+    rx_seen: int | None = None           # every byte that arrived, as the ingress hook counts
+
+
+@dataclass(frozen=True)
 class Device:
     """One link and its tc objects. ``exists`` False: no such link (then the rest is empty)."""
 

@@ -4,6 +4,7 @@
 >>> report = shaper.apply()          # reconcile: adopt wagent's tree, change classes in place
 >>> shaper.set_ceil(50_000_000)      # the backoff controller's move: one netlink call per tree
 >>> shaper.stats()                   # per class bytes, packets, drops, overlimits, backlog, rate
+>>> shaper.counters()                # {"eth0": LinkCounters(rx_dist, tx_dist, rx_seen)}: a tick
 >>> shaper.clear()                   # remove wagent's trees, IFBs; put back the original roots
 
 Plans are pure (``shaping.plan``, ``shaping.reconcile``); this module only wires them to the
@@ -20,7 +21,7 @@ from agent.policy_model import Shaping, Source
 from shaping import state
 from shaping.errors import ShapingError
 from shaping.netlink import Netlink
-from shaping.observed import ClassStats, Device, Qdisc
+from shaping.observed import ClassStats, Device, LinkCounters, Qdisc
 from shaping.plan import (
     DIST_CLASS,
     ETH_P_IP,
@@ -183,6 +184,42 @@ class Shaper:
                                           _NAMES.get(cls.classid & 0xFFFF, "?"), **st))
         return out
 
+    def counters(self) -> dict[str, LinkCounters]:
+        """What the link detector needs each tick, per interface: the ingress hook's counters
+        (all arrivals, distribution arrivals) and the egress distribution class's bytes. Cheap:
+        one or two dumps per interface on cached link indexes, decoded by hand."""
+        out: dict[str, LinkCounters] = {}
+        nl = self._persistent()
+        for ip in self._plan.interfaces:
+            rx_seen = rx_dist = None
+            if ip.ingress is not None:
+                got = self._on_link(nl, ip.interface, nl.ingress_counters)
+                if got is not None:
+                    rx_seen, rx_dist = got
+            tx_dist = 0
+            if ip.egress is not None:
+                tx_dist = sum(_arrived(st) for cls, st in self._on_link(
+                    nl, ip.interface, nl.class_stats) or () if cls.classid == DIST_CLASS)
+            if rx_seen is None and ip.egress is None:
+                continue                 # nothing of ours to tell apart on this interface
+            out[ip.interface] = LinkCounters(rx_dist or 0, tx_dist, rx_seen)
+        return out
+
+    def _on_link(self, nl: Netlink, name: str, read: Callable[[int], object]) -> object:
+        """``read(index)`` of a link, by its cached index; looked up again once if the link
+        was re-created (its old index is gone); None when it doesn't exist."""
+        index = self._live.indexes.get(name)
+        if index is not None:
+            try:
+                return read(index)
+            except ShapingError:
+                pass
+        try:
+            index = self._live.indexes[name] = nl.index(name)
+        except ShapingError:
+            return None
+        return read(index)
+
     def show(self) -> dict:
         """wagent's trees as the kernel has them (JSON-able, versioned)."""
         records = state.load(self._state_dir)
@@ -264,6 +301,13 @@ class Shaper:
         if not dry_run:
             nl.execute(steps)
         return steps, notes
+
+
+def _arrived(st: dict[str, int]) -> int:
+    """Bytes that reached an HTB class: sent, queued, and dropped (drops counted in packets of
+    the class's mean size, an estimate: a dropped GSO packet is counted once)."""
+    mean_packet = st["bytes"] // st["packets"] if st["packets"] else 1500
+    return st["bytes"] + st["backlog"] + st["drops"] * mean_packet
 
 
 def _with_ceil(tree: Tree | None, ceil: int) -> Tree | None:

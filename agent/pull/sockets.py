@@ -13,13 +13,14 @@ delay controller: the clamp follows the backoff controller's rate).
 
 Linux never retracts a window it advertised: a lower clamp takes effect as the data already
 allowed drains (one round trip). Two knobs set the window, because kernels differ:
-``TCP_WINDOW_CLAMP`` bounds it exactly, but since Linux 6.x receive autotuning and the
-``scaling_ratio`` updates (when the size of arriving packets changes) set the clamp again from
-the buffer's size, undoing ours within milliseconds (measured on 6.18: a clamp of 5792 read back
-11267); ``SO_RCVBUF`` bounds the window on every kernel (a window never exceeds the free buffer),
-and fixing it also turns autotuning off. So each socket gets the clamp ``w`` and a buffer that
-gives a window of ``w``: twice ``w`` on 6.1 (half of a buffer is window there), about ``w`` on
-kernels that measure the ratio, learned from the clamp they set back (``sample``). The buffer is
+``TCP_WINDOW_CLAMP`` bounds it exactly, but receive autotuning sets the clamp again from the
+buffer's size whenever it grows the buffer (6.1 too), and newer kernels also whenever the
+measured payload/truesize ratio changes, undoing ours within milliseconds (measured on 6.18: a
+clamp of 5792 read back 11267); ``SO_RCVBUF`` bounds the window on every kernel (a window never
+exceeds the free buffer), and fixing it also turns autotuning off. So each socket gets the
+clamp ``w`` and a buffer that gives a window of ``w``: twice ``w`` on 6.1 (half of a buffer is
+window there), about ``w`` on kernels that measure the ratio, learned from the clamp they set
+back (``sample``). The buffer is
 set with SO_RCVBUFFORCE where the process may (CAP_NET_ADMIN, which shaping needs anyway), else
 SO_RCVBUF up to ``net.core.rmem_max``. A buffer that small also couples the window to the
 reader: a pull held by its token bucket reads slowly, its buffer stays full and its sender is
@@ -69,7 +70,7 @@ MIN_SEGMENTS = 4                 # never clamp below this many segments: fewer s
 # the bottleneck on top of one round trip in flight. It also covers what the base RTT leaves
 # out: the receiver's own delay in sending ACKs (softirq, GRO batches, a busy CPU). See
 # docs/design.md, "Yielding to training traffic", for how it was chosen.
-QUEUE_BUDGET = 0.002
+QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 
 # struct tcp_info offsets (include/uapi/linux/tcp.h); fields past the end of what an older
 # kernel returns read as None.
@@ -120,8 +121,8 @@ def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
     ``rate_bps`` over ``base_rtt_s`` while queueing at most ``budget_s`` of it; at least
     ``MIN_SEGMENTS`` segments. None: no rate, no clamp.
 
-    >>> window_for(10**9, 50e-6, 8)       # 1 Gbit/s, 50 us: 2.05 ms x 125 MB/s over 8 streams
-    32032
+    >>> window_for(10**9, 50e-6, 8)       # 1 Gbit/s, 50 us: 1.05 ms x 125 MB/s over 8 streams
+    16407
     >>> window_for(10**7, 50e-6, 8)       # 10 Mbit/s: the floor of four segments
     5792
     """

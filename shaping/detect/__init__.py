@@ -3,10 +3,15 @@
 Each one reads kernel counters under a root directory ("/" on a node, a fixture tree in tests)
 and reports rates between two ticks (``shaping.detect.readings``):
 
-- ``link``: interface bytes minus the distribution class's bytes (other traffic);
+- ``link``: what arrived or left that is not distribution traffic (other traffic, any port);
 - ``rdma``: InfiniBand/RoCE port counters (NCCL over RDMA bypasses tc);
 - ``ports``: TCP connections on training ports (present at once, before their bytes);
 - ``nccl``: processes that map libnccl (a training job is here).
+
+The link and RDMA detectors read a few counters and run every tick; the ports and NCCL ones
+cost far more (a sock_diag dump walks the kernel's whole TCP hash, the NCCL scan every process's
+maps) and are paced by their measured CPU cost (``shaping.detect.pacing``): early hints, not the
+signal that must act within the tick.
 
 ``Detectors`` bundles them; one that fails in a tick is reported in ``Readings.errors`` and the
 others still count.
@@ -20,6 +25,7 @@ from pathlib import Path
 from agent.policy_model import Backoff
 from shaping.detect.link import Distribution, LinkDetector
 from shaping.detect.nccl import NcclDetector
+from shaping.detect.pacing import Paced, Pacer
 from shaping.detect.ports import PortsDetector
 from shaping.detect.rdma import RdmaDetector
 from shaping.detect.readings import (
@@ -35,13 +41,29 @@ __all__ = [
     "PortsDetector", "RdmaDetector", "RdmaReading", "Readings",
 ]
 
-LINK_WINDOW = 1.0  # seconds the link's rates are averaged over (at least one tick)
+# Seconds the link's rates are averaged over: 0, the last tick. A flow is judged in the tick it
+# starts; the controller's quiet period, not an average, keeps a backoff through short gaps.
+LINK_WINDOW = 0.0
+# Shares of one core the paced detectors may take, and how stale their readings may get. A
+# training job maps libnccl when it starts, seconds before its first byte.
+PORTS_SHARE, PORTS_MOST = 0.001, 3.0
+NCCL_SHARE, NCCL_LEAST, NCCL_MOST = 0.001, 5.0, 60.0
 
 
 class Detectors:
     def __init__(self, link: LinkDetector | None = None, rdma: RdmaDetector | None = None,
-                 ports: PortsDetector | None = None, nccl: NcclDetector | None = None) -> None:
+                 ports: PortsDetector | None = None, nccl: NcclDetector | None = None,
+                 tick: float | None = None) -> None:
+        """``tick``: pace the ports and NCCL detectors by their CPU cost, never more often than
+        this; None runs them every sample (tests driving the detectors by hand)."""
         self.link, self.rdma, self.ports, self.nccl = link, rdma, ports, nccl
+        self._ports = self._nccl = None
+        if tick is not None and ports is not None:
+            self._ports = Paced(ports.sample, Pacer(PORTS_SHARE, tick, max(tick, PORTS_MOST)),
+                                between=ports.refresh)
+        if tick is not None and nccl is not None:
+            self._nccl = Paced(nccl.sample, Pacer(NCCL_SHARE, max(tick, NCCL_LEAST),
+                                                  NCCL_MOST))
 
     @classmethod
     def from_policy(cls, backoff: Backoff, interfaces: Sequence[str] = (),
@@ -57,9 +79,8 @@ class Detectors:
             rdma=RdmaDetector(sys_root),
             ports=PortsDetector(backoff.training_ports, proc_root)
             if backoff.training_ports else None,
-            # A few times slower than the tick, never more often than twice a second.
-            nccl=NcclDetector(proc_root, every=max(5 * backoff.tick, 0.5))
-            if backoff.nccl_processes else None,
+            nccl=NcclDetector(proc_root, every=0.0) if backoff.nccl_processes else None,
+            tick=backoff.tick,
         )
 
     def sample(self, now: float, distribution: Distribution | None = None) -> Readings:
@@ -76,8 +97,8 @@ class Detectors:
             at=now,
             links=run("link", self.link.sample, now, distribution) if self.link else (),
             rdma=run("rdma", self.rdma.sample, now) if self.rdma else (),
-            ports=run("ports", self.ports.sample, now) if self.ports else (),
-            nccl=run("nccl", self.nccl.sample, now) if self.nccl else (),
+            ports=run("ports", self._ports or self.ports.sample, now) if self.ports else (),
+            nccl=run("nccl", self._nccl or self.nccl.sample, now) if self.nccl else (),
             errors=tuple(errors),
         )
 

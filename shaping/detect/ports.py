@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,17 +49,35 @@ class PortsDetector:
         self._sockdiag = Path(root) == Path("/") if use_sockdiag is None else use_sockdiag
         self._bytes: dict[tuple, int] = {}
         self._at: float | None = None
+        self._known: list[sockdiag.TcpInfo] = []   # the last dump's matching connections
+        self._last: tuple[PortReading, ...] = ()
 
     def matches(self, port: int) -> bool:
         return any(lo <= port <= hi for lo, hi in self._ranges)
 
     def sample(self, now: float) -> tuple[PortReading, ...]:
+        return self._readings(now, self.sockets())
+
+    def refresh(self, now: float) -> tuple[PortReading, ...]:
+        """The connections the last ``sample`` found, looked up again one by one (cheap: no
+        table walk), so a connection that ended is seen to end within a tick even while full
+        scans are paced; new connections wait for the next ``sample``."""
+        if not self._known:
+            return ()
+        try:
+            found = sockdiag.lookup_tcp(self._known)
+        except OSError:
+            return self._last
+        return self._readings(now, (self._socket(i) for i in found), keep=False)
+
+    def _readings(self, now: float, sockets: Iterable[TcpSocket],
+                  keep: bool = True) -> tuple[PortReading, ...]:
         counts: dict[int, int] = {}
         peers: dict[int, list[str]] = {}
         moved: dict[int, int] = {}
         seen: dict[tuple, int] = {}
         counted = True
-        for sock in self.sockets():
+        for sock in sockets:
             if sock.state not in LIVE_STATES:
                 continue
             if self.matches(sock.local[1]):
@@ -83,10 +101,13 @@ class PortsDetector:
             moved[port] = moved.get(port, 0) + sock.bytes - self._bytes.get(key, 0)
         dt = None if self._at is None or now <= self._at else now - self._at
         self._bytes, self._at = seen, now
-        return tuple(
+        if not keep:
+            self._known = [i for i in self._known if (i.local, i.remote, i.inode) in seen]
+        self._last = tuple(
             PortReading(port, n, moved.get(port, 0) * 8 / dt if counted and dt else None,
                         tuple(peers[port]))
             for port, n in sorted(counts.items()))
+        return self._last
 
     def sockets(self) -> Iterator[TcpSocket]:
         if self._sockdiag:
@@ -97,11 +118,9 @@ class PortsDetector:
             except OSError:
                 self._sockdiag = False  # e.g. a seccomp filter without AF_NETLINK: use /proc
             else:
+                self._known = list(infos)
                 for i in infos:
-                    total = None
-                    if i.bytes_acked is not None and i.bytes_received is not None:
-                        total = i.bytes_acked + i.bytes_received
-                    yield TcpSocket(i.local, i.remote, i.state, i.inode, total)
+                    yield self._socket(i)
                 return
         for name in ("tcp", "tcp6"):
             try:
@@ -109,6 +128,14 @@ class PortsDetector:
             except OSError:
                 continue  # no IPv6 in this kernel, or no /proc in a fixture tree
             yield from parse_proc_net_tcp(text)
+
+
+    @staticmethod
+    def _socket(i: sockdiag.TcpInfo) -> TcpSocket:
+        total = None
+        if i.bytes_acked is not None and i.bytes_received is not None:
+            total = i.bytes_acked + i.bytes_received
+        return TcpSocket(i.local, i.remote, i.state, i.inode, total)
 
 
 def parse_proc_net_tcp(text: str) -> Iterator[TcpSocket]:

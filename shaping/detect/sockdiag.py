@@ -49,6 +49,8 @@ class TcpInfo:
     inode: int
     bytes_acked: int | None       # None: a kernel too old for these tcp_info fields
     bytes_received: int | None
+    family: int = 0               # AF_INET or AF_INET6, and the kernel's id of the socket, for
+    key: bytes = b""              # a later lookup of this very socket (``lookup_tcp``)
 
 
 ALL_STATES = 0xFFF
@@ -80,8 +82,10 @@ def build_request(family: int, states: int, seq: int) -> bytes:
 
 def _receive(s: socket.socket, seq: int, wanted: PortFilter | None) -> list[TcpInfo]:
     out: list[TcpInfo] = []
+    buf = bytearray(1 << 20)         # one buffer per dump, not a fresh 1 MiB per datagram
     while True:
-        data = s.recv(1 << 20)
+        n = s.recv_into(buf)
+        data = bytes(memoryview(buf)[:n])
         if not data:
             raise SockDiagError("sock_diag: the kernel closed the dump")
         done, socks = parse_messages(data, seq, wanted)
@@ -132,8 +136,44 @@ def parse_diag_msg(msg: bytes) -> TcpInfo:
         if atype == INET_DIAG_INFO and len(payload) >= TCPI_BYTES_OFFSET + TCPI_BYTES.size:
             acked, received = TCPI_BYTES.unpack_from(payload, TCPI_BYTES_OFFSET)
         off += _align(alen)
+    key = msg[DIAG_MSG.size:DIAG_MSG.size + SOCKID.size + SOCKID_TAIL.size]
     return TcpInfo((_addr(family, src), sport), (_addr(family, dst), dport), state, inode,
-                   acked, received)
+                   acked, received, family, key)
+
+
+def lookup_tcp(known: list[TcpInfo]) -> list[TcpInfo]:
+    """The sockets of ``known`` that still exist, as they are now: one exact lookup each (a
+    hash lookup in the kernel, where a dump walks its whole table), all in one datagram."""
+    asking = [k for k in known if k.key]
+    if not asking:
+        return []
+    out: list[TcpInfo] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as s:
+        s.sendto(b"".join(_lookup_request(k, seq) for seq, k in enumerate(asking, start=1)),
+                 (0, 0))
+        pending = set(range(1, len(asking) + 1))
+        while pending:
+            data = s.recv(1 << 16)
+            if not data:
+                raise SockDiagError("sock_diag: the kernel closed the socket")
+            off = 0
+            while off + NLMSG_HDR.size <= len(data):
+                length, mtype, _flags, mseq, _pid = NLMSG_HDR.unpack_from(data, off)
+                if length < NLMSG_HDR.size or off + length > len(data):
+                    raise SockDiagError(f"sock_diag: bad message length {length}")
+                if mseq in pending:
+                    pending.discard(mseq)
+                    if mtype == SOCK_DIAG_BY_FAMILY:   # else an error: ENOENT, it is gone
+                        out.append(parse_diag_msg(data[off + NLMSG_HDR.size:off + length]))
+                off += _align(length)
+    return out
+
+
+def _lookup_request(k: TcpInfo, seq: int) -> bytes:
+    body = REQ_V2.pack(k.family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), ALL_STATES) \
+        + k.key
+    return NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq,
+                          0) + body
 
 
 V4_MAPPED = b"\0" * 10 + b"\xff\xff"

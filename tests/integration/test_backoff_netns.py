@@ -26,26 +26,32 @@ print(json.dumps([[a.at, a.state, a.rate_bps, a.reason] for a in loop.history]),
 """
 
 
-def test_training_connection_backs_off_within_a_tick_and_ramps_back(testbed):
+def test_training_connection_backs_off_at_the_next_scan_and_ramps_back(testbed):
+    # The ports detector is an early hint, paced by its CPU cost (a sock_diag dump walks the
+    # kernel's whole TCP table): a new connection is seen at the next full scan, at most
+    # PORTS_MOST seconds away; its end within a tick (looked up by itself). The link detector,
+    # off here, is what sees any flow within a tick (the tests below).
+    from shaping.detect import PORTS_MOST
+
     origin, node = testbed.host("origin"), testbed.host("node")
     link = testbed.connect(origin, node, rate="200mbit")
     testbed.iperf3_server(origin, port=29500)
-    loop = node.popen([sys.executable, "-c", LOOP, "5"], stdout=subprocess.PIPE, text=True)
+    loop = node.popen([sys.executable, "-c", LOOP, "7"], stdout=subprocess.PIPE, text=True)
     assert loop.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     started = time.monotonic()
-    flow = testbed.iperf3(node, server=link.a.ip4, port=29500, seconds=2, reverse=True)
+    flow = testbed.iperf3(node, server=link.a.ip4, port=29500, seconds=4, reverse=True)
     ended = time.monotonic()
     out, _ = loop.communicate(timeout=30)
     history = json.loads(out.strip().splitlines()[-1])
     assert flow.bps > 100e6
     assert all(state == "full" for at, state, _, _ in history if at < started)
     first = next(h for h in history if h[1] == "backed_off")
-    assert first[0] - started < 0.5, "backed off more than half a second after the flow began"
+    assert first[0] - started < PORTS_MOST + 0.5, "not seen by the next full scan"
     assert first[2] == 10**7
     assert "training " in first[3] and "port 29500" in first[3]
     assert f"{link.a.ip4}:29500" in first[3]
-    # Quiet 0.5 s after the flow's connections closed, then one step back to the cap.
+    # Its end seen within a tick, quiet 0.5 s, then one step back to the cap.
     back = next(h for h in history if h[0] > first[0] and h[1] == "full")
     assert back[2] == 10**9 and back[0] - ended < 1.5
 
@@ -81,3 +87,56 @@ def test_pull_glue_applies_shaping_for_the_pull_and_clears_it(testbed):
     assert res["during"]["rate"] == 5 * 10**8                      # the bucket got the cap
     assert "wg-" in res["during"]["qdiscs"] and "htb 5747:" in res["during"]["qdiscs"]
     assert res["after"] == before                                  # a tree it made: cleared
+
+
+# The shipped defaults, as a user writes them: the interface, the link's rate, the ports.
+SHIPPED = """\
+version: 1
+store:
+  path: {store}
+shaping:
+  interfaces: [{ifname}]
+  link_rate: 1gbit
+backoff:
+  training_ports: [29500]
+state_dir: {state}
+"""
+
+
+def test_flow_on_an_unlisted_port_is_seen_and_kept_off_until_it_ends(testbed):
+    """Issue 12: once backed off, a flow on a port no policy names was no longer seen (the
+    distribution's class bytes counted headers the link's counter didn't; a starved flow
+    showed no traffic). With the receive windows clamped and the ingress hook's counters, the
+    flow is seen in the tick it starts and the pull stays off while it runs, then climbs."""
+    from tests.modelgen import generate_sized
+    from tests.testbed import WAGENT
+
+    origin_root = testbed.tmpdir("origin")
+    vdir = origin_root / "m" / "v1"
+    generate_sized(vdir, 700 * 10**6, shards=4)
+    origin, node = testbed.host("origin"), testbed.host("node")
+    origin.run([WAGENT, "manifest", "build", str(vdir)])   # with the python the tests run
+    link = testbed.connect(origin, node, rate="1gbit")
+    srv = testbed.nginx(origin, root=origin_root, port=8080)
+    testbed.iperf3_server(origin, port=5201)
+    alone = testbed.iperf3(node, server=link.a.ip4, port=5201, seconds=2, reverse=True).bps
+    policy = testbed.tmpdir("policy") / "policy.yaml"
+    policy.write_text(SHIPPED.format(store=testbed.tmpdir("store"), ifname=link.b.ifname,
+                                     state=testbed.tmpdir("state")))
+    pull = node.popen([WAGENT, "-v", "pull", f"{srv.url_for(link.a)}/m/v1", "--store",
+                       str(policy.parent.parent / "store"), "--policy", str(policy), "-q"],
+                      log="pull")
+    time.sleep(2.0)
+    assert pull.poll() is None, testbed.logs()
+    flow = testbed.iperf3(node, server=link.a.ip4, port=5201, seconds=4, reverse=True)
+    assert pull.wait(timeout=120) == 0, testbed.logs()
+    log = [line for line in open(pull.log_path).read().splitlines() if "wagent.backoff" in line]
+    backoffs = [line for line in log if "(backed_off): other traffic" in line]
+    assert backoffs and "not wagent's, any port" in backoffs[0], log
+    # Never climbed while the flow ran: one backoff, then (after it ended) the climb.
+    assert sum("(backed_off): other" in line for line in log) == 1, log
+    assert any("(full)" in line for line in log[log.index(backoffs[0]):]), log
+    # Timing loosely (the numbers belong to the bench): the flow kept most of the link, and
+    # after its first second never lost it again.
+    assert flow.bps > 0.8 * alone, (flow.bps, alone)
+    assert min(r for _, _, r in flow.intervals[1:]) > 0.85 * alone, flow.intervals

@@ -34,3 +34,21 @@ def test_dump_sees_a_loopback_connection_and_its_bytes():
                 # ACK may still be on its way back).
                 assert r.connections == 2
                 assert 100_000 * 8 / 0.5 <= r.bps <= 2 * 100_000 * 8 / 0.5
+
+
+def test_a_known_connection_is_looked_up_and_its_end_seen_without_a_dump():
+    from shaping.detect.sockdiag import lookup_tcp
+
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        c = socket.create_connection(("127.0.0.1", port))
+        a, _ = srv.accept()
+        det = PortsDetector([(port, port)])
+        assert det.sample(0.0)[0].connections == 2          # a full dump: both ends
+        mine = [s for s in dump_tcp() if s.local == c.getsockname()]
+        assert [s.remote for s in lookup_tcp(mine)] == [("127.0.0.1", port)]
+        assert det.refresh(0.1)[0].connections == 2
+        c.close()
+        a.close()
+        assert det.refresh(0.2) == ()                       # gone: seen by lookups alone
+        assert all(s.state not in (1, 2, 3) for s in lookup_tcp(mine))   # TIME_WAIT at most

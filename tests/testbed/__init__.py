@@ -17,6 +17,8 @@ with Testbed() as tb:                       # or the pytest fixture `testbed`
     res = tb.iperf3(node, server=link.a.ip4, port=29500, seconds=5, reverse=True)
     flow = tb.iperf3_start(...); ...; res = flow.result()     # a flow in the background
     bps = tb.goodput(node, url, seconds=5, streams=1)         # curl, bits/s
+    b = tb.bursts(origin, node, server=link.a.ip4, port=40123, size=24 * 10**6, gap=0.5,
+                  count=30)                   # on/off bursts, acked; b.result() -> [Burst, ...]
     r = tb.rsyncd(origin, root=path, port=873); r.url_for(link.a) + "/m/"  # a peer tool
     d = tb.tmpdir("store")
     host.add_route(dst, via); host.sysctl(**{"net.ipv4.tcp_congestion_control": "cubic"})

@@ -271,6 +271,12 @@ class Testbed:
         from tests.testbed.traffic import iperf3_start
         return iperf3_start(host, server, port, seconds, reverse, **kwargs)
 
+    def bursts(self, sender: Host, receiver: Host, server: str, port: int, **kwargs: Any) -> Any:
+        """On/off bursts from ``sender`` to ``receiver``, each acked and timed (bursts.py);
+        returns at once, ``.result()`` waits: a list of ``Burst``."""
+        from tests.testbed.bursts import start_bursts
+        return start_bursts(sender, receiver, server, port, **kwargs)
+
     def goodput(self, host: Host, url: str, seconds: float = 10, **kwargs: Any) -> float:
         from tests.testbed.traffic import goodput
         return goodput(host, url, seconds, **kwargs)

@@ -65,7 +65,8 @@ def test_both_sides_get_the_same_rate_at_the_same_tick(tmp_path):
     assert ceil.calls == [G, 10 * M]                      # unchanged: not sent again
     assert loop.events == 1
     assert loop.status()["training_connections"] == 1
-    assert loop.status()["reason"].startswith("training connection on port 29500 (10.0.0.1")
+    assert loop.status()["reason"].startswith("a TCP connection on training port 29500 (10.0.0.1")
+    assert loop.status()["events_by_signal"] == {"training_port": 1}
 
 
 def test_failed_side_is_retried_and_the_other_still_moves(tmp_path):
@@ -97,7 +98,8 @@ def test_other_traffic_on_the_link_counts_net_of_distribution(tmp_path):
     dist = {"eth0": (140 * M, 0)}
     clock.t = 2.0
     d = loop.tick()
-    assert d.state == "backed_off" and d.reason == "other traffic 800 Mbit/s on eth0"
+    assert d.state == "backed_off"
+    assert d.reason == "other traffic 800 Mbit/s on eth0 (not wagent's, any port)"
 
 
 def test_a_failing_detector_or_counter_does_not_stop_the_loop(tmp_path):
@@ -186,7 +188,7 @@ def test_start_for_pull(tmp_path):
     policy = Policy(backoff=Backoff(tick=0.1, roots=(("root", str(tmp_path)),)),
                     shaping=Shaping(ceil=800 * M))
     bucket = Bucket()
-    loop = start_for_pull(policy, bucket, None)
+    loop = start_for_pull(policy, bucket, None, sockets=None)
     try:
         assert loop is not None and loop.controller.cap == 800 * M
         assert loop.detectors.link is None                  # nothing to subtract: off
@@ -197,7 +199,71 @@ def test_start_for_pull(tmp_path):
         assert bucket.rates[0] == 800 * M
     finally:
         loop.stop()
-    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), bucket, None) is None
+    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), bucket, None,
+                          sockets=None) is None
+
+
+class Windows:
+    """A stand-in for agent.pull.sockets.PullSockets."""
+
+    def __init__(self, received=0):
+        self.rates, self.budget_s, self.received = [], None, received
+
+    def set_rate(self, bps):
+        self.rates.append(bps)
+
+    def sample(self):
+        from agent.pull.sockets import StreamsSample
+        return StreamsSample(streams=8, min_rtt_us=40, bytes_received=self.received,
+                             window=10_000)
+
+
+def test_windows_move_first_then_the_bucket_then_the_ceil(tmp_path):
+    order = []
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path),
+                       set_kernel_ceil=lambda b: order.append(("ceil", b)),
+                       set_pull_rate=lambda b: order.append(("bucket", b)),
+                       set_windows=lambda b: order.append(("windows", b)),
+                       streams=Windows().sample, clock=Clock())
+    loop.tick()
+    assert order == [("windows", G), ("bucket", G), ("ceil", G)]
+    status = loop.status()
+    assert (status["pull_streams"], status["pull_min_rtt_us"], status["pull_window_bytes"]) == \
+        (8, 40, 10_000)
+
+
+def test_start_for_pull_drives_the_windows_and_counts_their_bytes(tmp_path):
+    set_netdev(tmp_path, "eth0", 0, 0)
+    write_tcp(tmp_path, [], [])
+    policy = Policy(backoff=Backoff(tick=0.05, queue_budget=0.002, nccl_processes=False,
+                                    roots=(("root", str(tmp_path)),)),
+                    shaping=Shaping(interfaces=("eth0",), enabled=False, link_rate=G))
+    windows = Windows()
+    loop = start_for_pull(policy, Bucket(), None, sockets=windows)
+    try:
+        # No shaper: the pull sockets' own bytes tell our traffic from the link's.
+        assert loop.detectors.link is not None and windows.budget_s == 0.002
+        for _ in range(50):
+            if windows.rates:
+                break
+            threading.Event().wait(0.02)
+        assert windows.rates[0] == G
+    finally:
+        loop.stop()
+    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), Bucket(), None,
+                          sockets=windows) is None
+    assert windows.rates[-1] is None                # backoff off: windows left to the kernel
+
+
+def test_shaper_counters_are_the_distribution_source():
+    from shaping.backoff import shaper_distribution
+    from shaping.observed import LinkCounters
+
+    class Counting(Shaper):
+        def counters(self):
+            return {"eth0": LinkCounters(5, 0, 50)}
+
+    assert shaper_distribution(Counting(), ["eth0"])() == {"eth0": LinkCounters(5, 0, 50)}
 
 
 def test_cap_for():

@@ -34,20 +34,23 @@ def test_connection_alone_cuts_to_floor_at_once():
     assert c.step(quiet(0.0), 0.0).rate_bps == G
     d = c.step(port(1.0), 1.0)      # no bytes yet: a starved flow carries little
     assert (d.rate_bps, d.state, d.changed, d.since) == (10 * M, BACKED_OFF, True, 1.0)
-    assert d.reason == "training connection on port 29500 (10.0.0.1:29500)"
-    assert c.events == 1
+    assert d.reason == "a TCP connection on training port 29500 (10.0.0.1:29500)"
+    assert d.signals == ("training_port",)
+    assert c.events == 1 and c.events_by_signal == {"training_port": 1}
 
 
 @pytest.mark.parametrize(("readings", "reason"), [
     (Readings(at=1.0, ports=(PortReading(29500, 1, 830e6, ()),)),
      "training traffic 830 Mbit/s on port 29500"),
     (port(1.0, other=830e6),
-     "training connection on port 29500 (10.0.0.1:29500, 830 Mbit/s other traffic on eth0)"),
-    (Readings(at=1.0, rdma=(RdmaReading("mlx5_0", "1", 12e9),)), "RDMA 12 Gbit/s on mlx5_0/1"),
+     "a TCP connection on training port 29500 (10.0.0.1:29500; other traffic 830 Mbit/s on "
+     "eth0 (not wagent's, any port))"),
+    (Readings(at=1.0, rdma=(RdmaReading("mlx5_0", "1", 12e9),)),
+     "RDMA traffic 12 Gbit/s on mlx5_0/1"),
     (Readings(at=1.0, rdma=(RdmaReading("mlx5_0", "1", 0.0, ops_per_s=5000.0),)),
      "RDMA 5000 requests/s on mlx5_0/1"),
     (Readings(at=1.0, nccl=(NcclReading(4242, "python"),)), "NCCL process 4242 (python)"),
-    (quiet(1.0, other=600e6), "other traffic 600 Mbit/s on eth0"),
+    (quiet(1.0, other=600e6), "other traffic 600 Mbit/s on eth0 (not wagent's, any port)"),
 ])
 def test_each_detector_triggers_with_its_reason(readings, reason):
     c = Controller(POLICY, cap_bps=G)
@@ -76,7 +79,7 @@ def test_quiet_period_then_additive_increase_to_cap():
     assert [d.changed for d in ds] == [False, False] + [True] * 5 + [False]
     assert ds[2].reason == "quiet for 3.0s: ramping up by 200 Mbit/s per tick"
     assert ds[-1].reason == "no training traffic" and ds[-1].since == 7.0
-    assert "was: training connection on port 29500" in ds[0].reason
+    assert "was: a TCP connection on training port 29500" in ds[0].reason
 
 
 def test_training_during_ramp_cuts_again():
@@ -98,7 +101,7 @@ def test_hysteresis_band_neither_triggers_nor_counts_as_quiet():
     c.step(quiet(1.0, other=60e6), 1.0)
     ds = run(c, [quiet(float(t), other=30e6) for t in range(2, 10)])
     assert all(d.state == BACKED_OFF and d.rate_bps == 10 * M for d in ds)
-    assert ds[-1].reason == "holding: other traffic 30 Mbit/s on eth0"
+    assert ds[-1].reason == "holding: other traffic 30 Mbit/s on eth0 (not wagent's, any port)"
     ds = run(c, [quiet(float(t), other=20e6) for t in range(10, 14)])
     assert [d.state for d in ds] == [BACKED_OFF, BACKED_OFF, RAMPING, RAMPING]
     # Once ramping, the band pauses the climb without cutting.
@@ -156,3 +159,27 @@ def test_sub_second_ticks():
     rates = [c.step(quiet(t), t).rate_bps for t in ts]
     assert rates[:9] == [10 * M] * 9            # until 1.0 s after the last training tick
     assert rates[9:] == [260 * M, 510 * M, 760 * M, G, G]
+
+
+def test_shares_of_the_link_are_resolved_against_it():
+    # The shipped defaults: floor 0.2%, threshold 5%, increase 10% of the link.
+    c = Controller(Backoff(nccl_processes=False), cap_bps=25 * G, link_bps=25 * G)
+    assert (c.floor, c.backoff.link_threshold, c.backoff.increase) == (50 * M, 1250 * M,
+                                                                        2500 * M)
+    assert c.step(quiet(0.0, other=1000 * M), 0.0).state == FULL       # 4% of the link: band
+    d = c.step(quiet(0.1, other=1300 * M), 0.1)
+    assert d.state == BACKED_OFF and d.rate_bps == 50 * M
+    assert d.reason.endswith("(not wagent's, any port, 5% of the link)")
+
+
+def test_events_are_counted_by_signal_kind():
+    c = Controller(POLICY, cap_bps=G)
+    c.step(Readings(at=0.0, nccl=(NcclReading(1, "python"),),
+                    links=(LinkReading("eth0", 600e6, 600e6, 0.0, 0.0),)), 0.0)
+    c.step(quiet(0.1, other=600e6), 0.1)              # still backed off: not a new event
+    for t in (3.5, 4.0, 4.5, 5.0, 5.5, 6.0):           # quiet, ramp to the cap
+        c.step(quiet(t), t)
+    d = c.step(port(7.0), 7.0)
+    assert d.signals == ("training_port",)
+    assert c.events == 2
+    assert c.events_by_signal == {"nccl": 1, "link": 1, "training_port": 1}

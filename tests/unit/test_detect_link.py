@@ -160,3 +160,35 @@ def test_distribution_callable_is_read_between_two_link_reads(tmp_path):
     (r,) = det.sample(1.0, slow_stats)
     assert r.other_bps == 0.0
     assert r.rx_bps == 105 * MB * 8
+
+
+def test_exact_counters_from_the_ingress_hook(tmp_path):
+    from shaping.observed import LinkCounters
+
+    # A pull at 900 Mbit/s and a 40 Mbit/s flow on another port. The HTB class counts every
+    # segment's headers (4.5% more than a veth's rx_bytes for the same packets): link minus
+    # class hides the flow; the ingress hook counts both sides alike and sees it.
+    set_netdev(tmp_path, "eth0", rx=0, tx=0)
+    det = LinkDetector(tmp_path, ack_share=0.0)
+    det.sample(0.0, {"eth0": LinkCounters(rx_dist=0, tx_dist=0, rx_seen=0)})
+    set_netdev(tmp_path, "eth0", rx=117_500_000, tx=0)            # 940 Mbit/s arrived
+    (r,) = det.sample(1.0, {"eth0": LinkCounters(rx_dist=112_500_000, tx_dist=0,
+                                                 rx_seen=117_500_000)})
+    assert r.other_bps == pytest.approx(40e6)
+    hidden = LinkDetector(tmp_path, ack_share=0.0)
+    set_netdev(tmp_path, "eth0", rx=0, tx=0)
+    hidden.sample(0.0, {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", rx=117_500_000, tx=0)
+    (r,) = hidden.sample(1.0, {"eth0": (int(112_500_000 * 1.045), 0)})
+    assert r.other_bps < 5e6                                       # the blind spot
+
+
+def test_rates_are_the_last_ticks(tmp_path):
+    set_netdev(tmp_path, "eth0", rx=0, tx=0)
+    det = LinkDetector(tmp_path, ack_share=0.0)                   # window 0: the last tick
+    det.sample(0.0, {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", rx=0, tx=0)
+    det.sample(0.1, {"eth0": (0, 0)})
+    set_netdev(tmp_path, "eth0", rx=6_250_000, tx=0)              # a flow starts: 500 Mbit/s
+    (r,) = det.sample(0.2, {"eth0": (0, 0)})
+    assert r.other_bps == pytest.approx(500e6)

@@ -202,8 +202,31 @@ def test_floor_above_cap(tmp_path):
 
 
 def test_floor_above_shaping_ceil_when_cap_unset(tmp_path):
-    line, msg = one(tmp_path, GOOD + "backoff:\n  floor: 1gbit\n")
+    line, msg = one(tmp_path, GOOD + "backoff:\n  floor: 1gbit\nshaping:\n  ceil: 500mbit\n")
     assert line == 27 and "shaping.ceil (backoff.cap is unset)" in msg
+
+
+def test_rates_as_shares_of_the_link(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD + "shaping:\n  link_rate: 25gbit\n  ceil: 40%\nbackoff:\n"
+                    "  floor: 0.5%\n  link_threshold: 2%\n  cap: 10gbit\n")
+    p = load_policy(path)
+    assert p.shaping.ceil == 10 * 10**9
+    assert (p.backoff.floor, p.backoff.link_threshold, p.backoff.cap) == \
+        (125 * 10**6, 500 * 10**6, 10 * 10**9)
+
+
+def test_shipped_defaults_are_shares_of_the_link(tmp_path):
+    for link, floor in ((10**9, 2 * 10**6), (100 * 10**9, 200 * 10**6)):
+        p = Policy(shaping=policy_model.Shaping(interfaces=("eth0",), link_rate=link))
+        assert p.shaping.enabled and p.shaping.ceil == link       # naming interfaces turns it on
+        assert p.backoff.floor == floor and p.backoff.link_threshold == link // 20
+        assert p.backoff.increase == link // 10 and p.backoff.tick <= 0.1
+
+
+def test_bad_share(tmp_path):
+    line, msg = one(tmp_path, GOOD + "backoff:\n  floor: 150%\n")
+    assert line == 27 and msg.startswith("backoff.floor: bad share '150%'")
 
 
 def test_rate_above_ceil(tmp_path):
@@ -211,9 +234,9 @@ def test_rate_above_ceil(tmp_path):
     assert line == 27 and "shaping.rate 600 Mbit/s is above shaping.ceil 400 Mbit/s" in msg
 
 
-def test_tick_below_100ms(tmp_path):
-    line, msg = one(tmp_path, GOOD + "backoff:\n  tick: 50ms\n")
-    assert line == 27 and msg == "backoff.tick is 50ms; it must be at least 100ms"
+def test_tick_below_10ms(tmp_path):
+    line, msg = one(tmp_path, GOOD + "backoff:\n  tick: 5ms\n")
+    assert line == 27 and msg == "backoff.tick is 5ms; it must be at least 10ms"
 
 
 def test_priority_outside_0_7(tmp_path):

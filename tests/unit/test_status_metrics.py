@@ -42,3 +42,17 @@ def test_nothing_before_the_first_tick():
     m = Metrics(MetricsPolicy(listen=None))
     assert generate_latest(m.registry) == b""
 
+
+
+def test_backoffs_by_signal_kind():
+    import dataclasses
+
+    state = busy_state()
+    state = dataclasses.replace(state, backoff=dataclasses.replace(
+        state.backoff, events_by_signal={"link": 3, "training_port": 1}))
+    doc = to_json(state, NOW)
+    assert doc["backoff"]["events_by_signal"] == {"link": 3, "training_port": 1}
+    text, _ = scrape(doc, {})
+    assert 'wagent_backoff_signal_events_total{signal="link"} 3.0' in text
+    assert 'wagent_backoff_signal_events_total{signal="training_port"} 1.0' in text
+    assert 'wagent_backoff_signal_events_total{signal="rdma"} 0.0' in text
