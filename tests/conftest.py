@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,9 @@ import pytest
 from tests.testbed import Testbed
 
 NETNS_TOOLS = ("ip", "tc")
+# The testbed's `wagent` launcher runs the python that runs the tests (the venv's, or Debian's
+# for the `debian` run), also when a test calls it outside a testbed host.
+os.environ.setdefault("WAGENT_PYTHON", sys.executable)
 
 
 def _in_ci() -> bool:
