@@ -60,3 +60,18 @@ def add_process(root: Path, pid: int, comm: str, maps: str, readable: bool = Tru
         (pdir / "maps").write_text(maps)
     else:
         (pdir / "maps").mkdir()  # reading a directory fails like an unreadable file does
+
+
+# The shipped defaults, as a user writes a policy: the interface, the link's rate, the training
+# port. The yield bench, the backoff CPU bench and the netns test all run with exactly this.
+SHIPPED_POLICY = """\
+version: 1
+store:
+  path: {store}
+shaping:
+  interfaces: [{ifname}]
+  link_rate: 1gbit
+backoff:
+  training_ports: [29500]
+state_dir: {state}
+"""

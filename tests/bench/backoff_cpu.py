@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.backoff_helpers import SHIPPED_POLICY  # noqa: E402
+
 DRIVER = r"""
 import json, sys, threading, time
 from agent.policy import load_policy
@@ -88,17 +90,6 @@ with sb.pull_backoff(policy, bucket, sources=[Source(source)]) as loop:
 print(json.dumps(result), flush=True)
 """
 
-POLICY = """\
-version: 1
-store:
-  path: {store}
-shaping:
-  interfaces: [{ifname}]
-  link_rate: 1gbit
-backoff:
-  training_ports: [29500]
-state_dir: {state}
-"""
 
 
 def main() -> int:
@@ -122,7 +113,7 @@ def main() -> int:
             tb.iperf3_server(origin, port=41000)
             store, state = tb.tmpdir("store"), tb.tmpdir("state")
             policy = shm / "policy.yaml"
-            policy.write_text(POLICY.format(store=store, ifname=link.b.ifname, state=state))
+            policy.write_text(SHIPPED_POLICY.format(store=store, ifname=link.b.ifname, state=state))
             driver = node.popen([sys.executable, "-c", DRIVER, f"{srv.url_for(link.a)}/m/v1",
                                  "m", str(policy), str(store), str(args.seconds)],
                                 stdout=subprocess.PIPE, text=True, cwd=str(REPO))

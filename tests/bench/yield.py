@@ -52,6 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.backoff_helpers import SHIPPED_POLICY  # noqa: E402
+
 LINK = 10**9
 DIST_PORT = 8080
 LISTED, UNLISTED, BURST_PORT = 29500, 41000, 41001
@@ -62,17 +64,6 @@ BURST_SIZE, BURST_GAP = 24 * 10**6, 0.5
 BACK_SHARE = 0.8                 # "back": the pull at 80% of the link, over half a second
 PULLERS = ("wagent", "aria2c -j8", "backoff off")
 
-POLICY = """\
-version: 1
-store:
-  path: {store}
-shaping:
-  interfaces: [{ifname}]
-  link_rate: 1gbit
-backoff:
-  training_ports: [29500]
-state_dir: {state}
-"""
 
 
 # --- the sampler, run inside the node's namespace --------------------------------------------
@@ -244,7 +235,7 @@ class Bench:
                     "--auto-file-renaming=false"]
         else:
             state = Path(tempfile.mkdtemp(prefix="state-", dir=self.shm))
-            text = POLICY.format(store=store, ifname=self.link.b.ifname, state=state)
+            text = SHIPPED_POLICY.format(store=store, ifname=self.link.b.ifname, state=state)
             if name == "backoff off":
                 text = text.replace("backoff:\n", "backoff:\n  enabled: false\n")
             policy = self.policy = state / "policy.yaml"

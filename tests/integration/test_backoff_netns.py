@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from tests.backoff_helpers import SHIPPED_POLICY
+
 pytestmark = [pytest.mark.netns, pytest.mark.debian]
 
 # Runs inside the node: the loop on its thread, as the daemon runs it; prints its history.
@@ -89,18 +91,6 @@ def test_pull_glue_applies_shaping_for_the_pull_and_clears_it(testbed):
     assert res["after"] == before                                  # a tree it made: cleared
 
 
-# The shipped defaults, as a user writes them: the interface, the link's rate, the ports.
-SHIPPED = """\
-version: 1
-store:
-  path: {store}
-shaping:
-  interfaces: [{ifname}]
-  link_rate: 1gbit
-backoff:
-  training_ports: [29500]
-state_dir: {state}
-"""
 
 
 def test_flow_on_an_unlisted_port_is_seen_and_kept_off_until_it_ends(testbed):
@@ -121,7 +111,7 @@ def test_flow_on_an_unlisted_port_is_seen_and_kept_off_until_it_ends(testbed):
     testbed.iperf3_server(origin, port=5201)
     alone = testbed.iperf3(node, server=link.a.ip4, port=5201, seconds=2, reverse=True).bps
     policy = testbed.tmpdir("policy") / "policy.yaml"
-    policy.write_text(SHIPPED.format(store=testbed.tmpdir("store"), ifname=link.b.ifname,
+    policy.write_text(SHIPPED_POLICY.format(store=testbed.tmpdir("store"), ifname=link.b.ifname,
                                      state=testbed.tmpdir("state")))
     pull = node.popen([WAGENT, "-v", "pull", f"{srv.url_for(link.a)}/m/v1", "--store",
                        str(policy.parent.parent / "store"), "--policy", str(policy), "-q"],
