@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Sequence
 
 from agent.manifest import ManifestError, check_name, published_ts
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.store import Store
 
 log = logging.getLogger(__name__)

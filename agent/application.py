@@ -33,7 +33,7 @@ from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
 from agent.policy import load_policy
-from agent.policy_model import Model, Policy
+from agent.policy.model import Model, Policy
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler

@@ -87,7 +87,7 @@ class Controls(Protocol):
 
 
 @dataclass(frozen=True)
-class Request:
+class ControlRequest:
     cmd: str
     args: dict[str, Any]
 
@@ -99,7 +99,7 @@ class Peer:
     gid: int
 
 
-def parse_request(line: bytes) -> Request:
+def parse_request(line: bytes) -> ControlRequest:
     try:
         obj = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -111,7 +111,7 @@ def parse_request(line: bytes) -> Request:
     args = obj.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError('"args" must be an object')
-    return Request(obj["cmd"], args)
+    return ControlRequest(obj["cmd"], args)
 
 
 def authorized(cmd: str, peer_uid: int, allowed_uids: Iterable[int]) -> bool:
@@ -127,7 +127,7 @@ def error_reply(message: str, kind: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "kind": kind}
 
 
-def dispatch(controller: Controls, request: Request, peer: Peer,
+def dispatch(controller: Controls, request: ControlRequest, peer: Peer,
              allowed_uids: Iterable[int]) -> dict[str, Any]:
     if not authorized(request.cmd, peer.uid, allowed_uids):
         return error_reply(

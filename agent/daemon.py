@@ -33,7 +33,7 @@ from agent import __version__
 from agent.control import ControlError
 from agent.notify import Notifier, WatchdogGate
 from agent.policy import PolicyError
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 from agent.status import DaemonState, PolicyInfo, one_line, to_json
 
 log = logging.getLogger(__name__)

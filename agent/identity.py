@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 
 MACHINE_ID = Path("/etc/machine-id")
 ROLE_OVERRIDE = Path("/etc/wagent/role")

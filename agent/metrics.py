@@ -32,7 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent.policy_model import Metrics as MetricsPolicy
+from agent.policy.model import MetricsSettings
 from agent.status import PULL_STATES
 from shaping.controller import SIGNAL_KINDS
 
@@ -159,7 +159,7 @@ class _ThreadingWSGIServer6(_ThreadingWSGIServer):
 class Metrics:
     """Owns the registry, the HTTP endpoint and the textfile for one ``metrics`` policy."""
 
-    def __init__(self, policy: MetricsPolicy) -> None:
+    def __init__(self, policy: MetricsSettings) -> None:
         self.policy = policy
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))  # type: ignore[arg-type]

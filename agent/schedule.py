@@ -16,7 +16,7 @@ pulls may run: a start (or a pull that paused) outside the windows waits for the
 plus the node's own ``frac`` of the spread (capped at the window's length) so that a thousand
 nodes don't all start on the same second when the night window opens.
 
->>> from agent.policy_model import Policy
+>>> from agent.policy.model import Policy
 >>> slot(0.0, "node-a", "training", "llama", "v2", Policy()) // 60      # wave 2: 2 * 30 min + ...
 65.0
 """
@@ -32,7 +32,7 @@ from datetime import UTC, datetime, tzinfo
 from zoneinfo import ZoneInfo
 
 from agent.cron import CronSpec, parse_cron
-from agent.policy_model import Policy, Window
+from agent.policy.model import Policy, Window
 
 CACHE_SPREAD = 60.0            # cache nodes start within a minute of publication
 

@@ -32,7 +32,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from agent.policy_model import Window
+from agent.policy.model import Window
 from agent.schedule import next_opening, open_until
 
 log = logging.getLogger(__name__)

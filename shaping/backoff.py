@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from agent.policy_model import Backoff, Policy, Source
+from agent.policy.model import Backoff, Policy, Source
 from agent.pull.sockets import REGISTRY, PullSockets, StreamsSample
 from agent.units import format_rate
 from shaping.controller import Controller, Decision

@@ -15,7 +15,7 @@ every tick it lasts, never below the floor. After ``quiet`` seconds of uninterru
 at least ``min_hold`` in the backed-off state) the rate climbs by ``increase`` per tick up to
 the cap, where the state is "full" again.
 
->>> from agent.policy_model import Backoff
+>>> from agent.policy.model import Backoff
 >>> from shaping.detect.readings import PortReading, Readings
 >>> c = Controller(Backoff(floor=10**7, quiet=2.0, increase=4 * 10**8), cap_bps=10**9)
 >>> c.step(Readings(at=0.0), now=0.0).state
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.policy_model import Backoff
+from agent.policy.model import Backoff
 from agent.units import format_rate
 from shaping.detect.readings import Readings
 

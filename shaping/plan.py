@@ -1,6 +1,6 @@
 """The tc trees wagent wants, as values, and the steps from what the kernel has to what it wants.
 
-Pure: policy in, ``Plan`` out; ``Plan`` + observed ``Device`` values in, a list of actions out.
+Pure: policy in, ``TcPlan`` out; ``TcPlan`` + observed ``Device`` values in, a list of actions out.
 The adapter (``shaping.netlink``) executes the actions; ``render`` prints them as the equivalent
 ``tc``/``ip`` command lines for ``wagent shaping apply --dry-run``.
 
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from agent.policy_model import Shaping, Source
+from agent.policy.model import Shaping, Source
 from shaping.errors import PlanError
 from shaping.observed import FilterState, HtbClassState, U32Key
 
@@ -119,7 +119,7 @@ class InterfacePlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TcPlan:
     interfaces: tuple[InterfacePlan, ...] = ()
     take_over: bool = False
 
@@ -274,10 +274,10 @@ def source_ports(sources: Sequence[Source]) -> tuple[int, ...]:
     return tuple(sorted(ports))
 
 
-def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> Plan:
+def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> TcPlan:
     """The trees for every interface the policy names; nothing if shaping is disabled."""
     if not shaping.enabled:
-        return Plan((), shaping.take_over)
+        return TcPlan((), shaping.take_over)
     _check_rates(shaping)
     pull_ports = _checked_ports(shaping.pull_ports or source_ports(sources), "pull_ports")
     serve_ports = _checked_ports(shaping.serve_ports, "serve_ports")
@@ -303,7 +303,7 @@ def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> Plan:
             ingress = _tree(ifb, pull_ports, shaping)
             redirects = _redirects(ifb, pull_ports)
         plans.append(InterfacePlan(interface, egress, ingress, ifb, redirects))
-    return Plan(tuple(plans), shaping.take_over)
+    return TcPlan(tuple(plans), shaping.take_over)
 
 
 def _check_rates(s: Shaping) -> None:

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from agent.policy_model import Shaping, Source
+from agent.policy.model import Shaping, Source
 from shaping import state
 from shaping.errors import ShapingError
 from shaping.netlink import Netlink
@@ -28,7 +28,7 @@ from shaping.plan import (
     ETH_P_IPV6,
     INGRESS_HANDLE,
     Action,
-    Plan,
+    TcPlan,
     Tree,
     build_plan,
     handle_str,
@@ -82,7 +82,7 @@ class Shaper:
         return self._live.ceil if self._live.ceil is not None else max(self._shaping.ceil,
                                                                        self._shaping.rate)
 
-    def plan(self) -> Plan:
+    def plan(self) -> TcPlan:
         """The policy's plan, with the ceil the backoff controller last set."""
         if self._live.ceil is None:
             return self._plan

@@ -430,7 +430,7 @@ def publish_dir(d: Path, piece_size: int | None = None) -> Path:
 def pull_json(url: str, store: str, streams: int = 8) -> dict:
     """One pull in this process; its figures (for benchmarks run inside a testbed host)."""
     from agent.commands.pull import split_url
-    from agent.policy_model import Source
+    from agent.policy.model import Source
     from agent.pull.engine import PullOptions, pull_version
     from agent.store import Store
     source, model, version = split_url(url)

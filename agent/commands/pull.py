@@ -17,7 +17,7 @@ from dataclasses import replace
 from types import FrameType
 
 from agent.policy import PolicyError, load_policy
-from agent.policy_model import Pulls, Source
+from agent.policy.model import Pulls, Source
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.pull.progress import Reporter, summary
 from agent.ratelimit import TokenBucket

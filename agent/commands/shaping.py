@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from agent.commands import DEFAULT_POLICY
 from agent.policy import PolicyError, load_policy
-from agent.policy_model import Shaping
+from agent.policy.model import Shaping
 from agent.units import format_rate, format_size
 from shaping.errors import ShapingError
 from shaping.shaper import Shaper

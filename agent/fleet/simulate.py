@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from agent import schedule
 from agent.fleet.topology import Topology
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 
 INF = math.inf
 HORIZON = 400 * 86400.0        # windows are looked up this far ahead of publication

@@ -1,6 +1,6 @@
 """The fleet description ``wagent plan --fleet`` simulates: clusters, their links, their cache
 nodes and the origin's egress. Frozen dataclasses, and a loader that reports every problem as
-``file:line: message``, as the policy's does (it is the same walk: ``agent.policy_build``).
+``file:line: message``, as the policy's does (it is the same walk: ``agent.policy.build``).
 
 ::
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from agent.policy import Issue
-from agent.policy_build import NO_VALUE, Builder, PolicyTooLarge
-from agent.policy_model import rate_field
+from agent.policy.build import NO_VALUE, Builder, PolicyTooLarge
+from agent.policy.model import rate_field
 
 SCHEMA_VERSION = 1
 MAX_NODES = 2_000_000           # a plan keeps a few hundred bytes per node

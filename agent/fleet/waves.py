@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 from agent.schedule import Spans, offset_fraction, slot_from_fraction, wave_index, windows_for
 
 CONVENTIONAL_SHARES = {"inference": 0.3, "evaluation": 0.1, "training": 0.6}

@@ -29,7 +29,7 @@ from agent.manifest import (
     parse,
     published_ts,
 )
-from agent.policy_model import Pulls, Source
+from agent.policy.model import Pulls, Source
 from agent.pull import plan as planning
 from agent.pull.goodput import Floor
 from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, redact, url_for

@@ -37,7 +37,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull import sockets
 from agent.pull.goodput import Meter
 from agent.redact import redact

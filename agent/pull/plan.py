@@ -52,7 +52,7 @@ class FilePlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class PullPlan:
     files: tuple[FilePlan, ...]     # files that need work
     present: tuple[str, ...]        # blob ids of files already in blobs/
     bytes_total: int                # distinct files' bytes
@@ -72,7 +72,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Request:
+class RangeRequest:
     blob: str                      # the file's blob id
     pieces: tuple[Piece, ...]      # consecutive
 
@@ -98,7 +98,7 @@ def distinct_files(manifest: Manifest) -> dict[str, tuple[FileEntry, tuple[str, 
 
 def plan(manifest: Manifest, blobs: Mapping[str, int],
          piece_index: Mapping[str, tuple[str, int]],
-         journals: Mapping[str, Mapping[int, tuple[int, str]]]) -> Plan:
+         journals: Mapping[str, Mapping[int, tuple[int, str]]]) -> PullPlan:
     """``blobs``: blob id -> size of the blobs in the store; one of another size than the file
     is not the file (a blob damaged or cut short) and is fetched anew."""
     files, present = [], []
@@ -121,10 +121,10 @@ def plan(manifest: Manifest, blobs: Mapping[str, int],
                 fetch.append(p)
         files.append(FilePlan(bid, f.size, paths, f.pieces, tuple(done), tuple(copies),
                               tuple(fetch)))
-    return Plan(tuple(files), tuple(present), total, present_bytes)
+    return PullPlan(tuple(files), tuple(present), total, present_bytes)
 
 
-def requests_for(p: Plan, request_size: int, tail: int = 0) -> list[Request]:
+def requests_for(p: PullPlan, request_size: int, tail: int = 0) -> list[RangeRequest]:
     """Fetch requests in order: file by file, consecutive pieces batched up to request_size.
 
     The last ``tail`` pieces go one per request, so the streams run out of work together
@@ -132,18 +132,18 @@ def requests_for(p: Plan, request_size: int, tail: int = 0) -> list[Request]:
     """
     pieces = [(f.blob, piece) for f in p.files for piece in f.fetch]
     cut = max(0, len(pieces) - tail)
-    out: list[Request] = []
+    out: list[RangeRequest] = []
     run: list[Piece] = []
     run_blob = ""
     run_size = 0            # kept as it grows: a run may hold thousands of small pieces
     for i, (blob, piece) in enumerate(pieces):
         if run and (blob != run_blob or i >= cut or run[-1].offset + run[-1].size != piece.offset
                     or run_size + piece.size > request_size):
-            out.append(Request(run_blob, tuple(run)))
+            out.append(RangeRequest(run_blob, tuple(run)))
             run, run_size = [], 0
         run.append(piece)
         run_size += piece.size
         run_blob = blob
     if run:
-        out.append(Request(run_blob, tuple(run)))
+        out.append(RangeRequest(run_blob, tuple(run)))
     return out

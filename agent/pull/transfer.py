@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from agent import hashing
 from agent.manifest import Piece
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.goodput import Floor, Meter
 from agent.pull.http import (
     ChangedError,
@@ -47,7 +47,7 @@ from agent.pull.http import (
     url_for,
 )
 from agent.pull.journal import Partial
-from agent.pull.plan import Copy, Request
+from agent.pull.plan import Copy, RangeRequest
 from agent.ratelimit import TokenBucket
 from agent.store import Store
 from agent.units import format_size
@@ -102,7 +102,7 @@ class Settings:
 
 class Transfer:
     def __init__(self, sources: Sequence[Source], store: Store, files: dict[str, FileState],
-                 requests: Sequence[Request], copies: Sequence[tuple[str, Copy]],
+                 requests: Sequence[RangeRequest], copies: Sequence[tuple[str, Copy]],
                  settings: Settings, bucket: TokenBucket | None, stop: threading.Event,
                  on_file: Callable[[FileState, int], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -198,7 +198,7 @@ class Transfer:
                 self.error = error
             self.cond.notify_all()
 
-    def _next(self) -> Request | None:
+    def _next(self) -> RangeRequest | None:
         with self.cond:
             while not self.queue and self.active > 0 and self.error is None \
                     and not self.stop.is_set():
@@ -253,7 +253,7 @@ class Transfer:
                     "damaged; fetching the piece for %s instead", c.blob, c.blob_offset,
                     c.piece.size, f.path)
         with self.cond:
-            self.queue.append(Request(f.blob, (c.piece,)))
+            self.queue.append(RangeRequest(f.blob, (c.piece,)))
             self.cond.notify_all()
 
     # -- streams --------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ class Transfer:
             for c in clients.values():
                 c.close()
 
-    def _fetch(self, req: Request, clients: dict[int, Client], preferred: int) -> int:
+    def _fetch(self, req: RangeRequest, clients: dict[int, Client], preferred: int) -> int:
         f = self.files[req.blob]
         # Landed pieces leave from the front: a deque, as a request may hold thousands.
         pieces = collections.deque(req.pieces)

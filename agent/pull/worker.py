@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from agent.policy_model import Model, Policy
+from agent.policy.model import Model, Policy
 from agent.status import PullInfo
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent.policy_model import Backoff
+from agent.policy.model import Backoff
 from shaping.detect.link import Distribution, LinkDetector
 from shaping.detect.nccl import NcclDetector
 from shaping.detect.pacing import Paced, Pacer

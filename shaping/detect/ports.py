@@ -49,7 +49,7 @@ class PortsDetector:
         self._sockdiag = Path(root) == Path("/") if use_sockdiag is None else use_sockdiag
         self._bytes: dict[tuple, int] = {}
         self._at: float | None = None
-        self._known: list[sockdiag.TcpInfo] = []   # the last dump's matching connections
+        self._known: list[sockdiag.DiagSocket] = []   # the last dump's matching connections
         self._last: tuple[PortReading, ...] = ()
 
     def matches(self, port: int) -> bool:
@@ -131,7 +131,7 @@ class PortsDetector:
 
 
     @staticmethod
-    def _socket(i: sockdiag.TcpInfo) -> TcpSocket:
+    def _socket(i: sockdiag.DiagSocket) -> TcpSocket:
         total = None
         if i.bytes_acked is not None and i.bytes_received is not None:
             total = i.bytes_acked + i.bytes_received

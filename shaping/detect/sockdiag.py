@@ -7,7 +7,7 @@ may dump the TCP sockets of its own network namespace.
 
 >>> socks = dump_tcp()                      # doctest: +SKIP
 >>> socks[0]                                # doctest: +SKIP
-TcpInfo(local=('10.0.0.2', 51234), remote=('10.0.0.1', 29500), state=1, inode=5521,
+DiagSocket(local=('10.0.0.2', 51234), remote=('10.0.0.1', 29500), state=1, inode=5521,
         bytes_acked=1, bytes_received=1180000000)
 """
 
@@ -42,7 +42,7 @@ class SockDiagError(OSError):
 
 
 @dataclass(frozen=True)
-class TcpInfo:
+class DiagSocket:
     local: tuple[str, int]
     remote: tuple[str, int]
     state: int
@@ -61,11 +61,11 @@ PortFilter = Callable[[int, int], bool]
 
 def dump_tcp(states: int = ALL_STATES,
              families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6),
-             wanted: PortFilter | None = None) -> list[TcpInfo]:
+             wanted: PortFilter | None = None) -> list[DiagSocket]:
     """Every TCP socket in the caller's network namespace whose state bit is set in ``states``
     (the kernel filters those) and, if given, for which ``wanted(local_port, remote_port)``
     holds (checked before anything else is decoded: a node may hold thousands of sockets)."""
-    out: list[TcpInfo] = []
+    out: list[DiagSocket] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as s:
         for seq, family in enumerate(families, start=1):
             s.sendto(build_request(family, states, seq), (0, 0))
@@ -80,8 +80,8 @@ def build_request(family: int, states: int, seq: int) -> bytes:
                           NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _receive(s: socket.socket, seq: int, wanted: PortFilter | None) -> list[TcpInfo]:
-    out: list[TcpInfo] = []
+def _receive(s: socket.socket, seq: int, wanted: PortFilter | None) -> list[DiagSocket]:
+    out: list[DiagSocket] = []
     buf = bytearray(1 << 20)         # one buffer per dump, not a fresh 1 MiB per datagram
     while True:
         n = s.recv_into(buf)
@@ -95,9 +95,9 @@ def _receive(s: socket.socket, seq: int, wanted: PortFilter | None) -> list[TcpI
 
 
 def parse_messages(data: bytes, seq: int | None = None,
-                   wanted: PortFilter | None = None) -> tuple[bool, list[TcpInfo]]:
+                   wanted: PortFilter | None = None) -> tuple[bool, list[DiagSocket]]:
     """(dump finished, sockets) from one datagram of netlink messages."""
-    out: list[TcpInfo] = []
+    out: list[DiagSocket] = []
     off = 0
     while off + NLMSG_HDR.size <= len(data):
         length, mtype, _flags, mseq, _pid = NLMSG_HDR.unpack_from(data, off)
@@ -119,7 +119,7 @@ def parse_messages(data: bytes, seq: int | None = None,
     return False, out
 
 
-def parse_diag_msg(msg: bytes) -> TcpInfo:
+def parse_diag_msg(msg: bytes) -> DiagSocket:
     if len(msg) < DIAG_MSG_SIZE:
         raise SockDiagError(f"sock_diag: short inet_diag_msg ({len(msg)} bytes)")
     family, state, _timer, _retrans = DIAG_MSG.unpack_from(msg, 0)
@@ -137,17 +137,17 @@ def parse_diag_msg(msg: bytes) -> TcpInfo:
             acked, received = TCPI_BYTES.unpack_from(payload, TCPI_BYTES_OFFSET)
         off += _align(alen)
     key = msg[DIAG_MSG.size:DIAG_MSG.size + SOCKID.size + SOCKID_TAIL.size]
-    return TcpInfo((_addr(family, src), sport), (_addr(family, dst), dport), state, inode,
+    return DiagSocket((_addr(family, src), sport), (_addr(family, dst), dport), state, inode,
                    acked, received, family, key)
 
 
-def lookup_tcp(known: list[TcpInfo]) -> list[TcpInfo]:
+def lookup_tcp(known: list[DiagSocket]) -> list[DiagSocket]:
     """The sockets of ``known`` that still exist, as they are now: one exact lookup each (a
     hash lookup in the kernel, where a dump walks its whole table), all in one datagram."""
     asking = [k for k in known if k.key]
     if not asking:
         return []
-    out: list[TcpInfo] = []
+    out: list[DiagSocket] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as s:
         s.sendto(b"".join(_lookup_request(k, seq) for seq, k in enumerate(asking, start=1)),
                  (0, 0))
@@ -169,7 +169,7 @@ def lookup_tcp(known: list[TcpInfo]) -> list[TcpInfo]:
     return out
 
 
-def _lookup_request(k: TcpInfo, seq: int) -> bytes:
+def _lookup_request(k: DiagSocket, seq: int) -> bytes:
     body = REQ_V2.pack(k.family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), ALL_STATES) \
         + k.key
     return NLMSG_HDR.pack(NLMSG_HDR.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq,

@@ -36,7 +36,7 @@ from tests.backoff_helpers import SHIPPED_POLICY  # noqa: E402
 DRIVER = r"""
 import json, sys, threading, time
 from agent.policy import load_policy
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.engine import PullOptions, pull_version
 from agent.ratelimit import TokenBucket
 from agent.store import Store

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.debian]
 # Runs inside the node: the loop on its thread, as the daemon runs it; prints its history.
 LOOP = """
 import json, sys, time
-from agent.policy_model import Backoff
+from agent.policy.model import Backoff
 from shaping.backoff import BackoffLoop
 from shaping.controller import Controller
 from shaping.detect import Detectors
@@ -61,7 +61,7 @@ def test_training_connection_backs_off_at_the_next_scan_and_ramps_back(testbed):
 # `wagent pull --policy P` glue: shaping applied for the pull's length, the loop moving both sides.
 PULL_GLUE = """
 import json, subprocess, sys, time
-from agent.policy_model import Backoff, Policy, Shaping, Source
+from agent.policy.model import Backoff, Policy, Shaping, Source
 from agent.ratelimit import TokenBucket
 from shaping.backoff import pull_backoff
 ifname, state = sys.argv[1], sys.argv[2]

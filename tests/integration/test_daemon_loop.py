@@ -9,7 +9,7 @@ import pytest
 from agent.control import ControlError
 from agent.daemon import Daemon
 from agent.notify import Notifier
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 
 pytestmark = pytest.mark.debian
 

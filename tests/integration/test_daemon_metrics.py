@@ -48,11 +48,11 @@ def test_served_on_ipv6_loopback_and_idle_scrapers_are_dropped():
     import urllib.request
 
     from agent.metrics import Metrics
-    from agent.policy_model import Metrics as MetricsPolicy
+    from agent.policy.model import MetricsSettings
     from agent.status import to_json
     from tests.unit.test_status import NOW, busy_state
 
-    m = Metrics(MetricsPolicy(listen="[::1]:0"))
+    m = Metrics(MetricsSettings(listen="[::1]:0"))
     m.start()
     try:
         m.update(to_json(busy_state(), NOW), {})

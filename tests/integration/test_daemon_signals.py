@@ -21,7 +21,7 @@ SCRIPT = r"""
 import sys, time
 from agent.daemon import Daemon
 from agent.notify import Notifier
-from agent.policy_model import Policy
+from agent.policy.model import Policy
 start_s, reload_s = float(sys.argv[1]), float(sys.argv[2])
 
 class App:

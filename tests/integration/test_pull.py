@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store
 from tests import modelgen

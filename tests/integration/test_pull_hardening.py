@@ -12,7 +12,7 @@ import pytest
 
 from agent import manifest
 from agent.blob_id import blob_id
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.ratelimit import TokenBucket
 from agent.store import Store

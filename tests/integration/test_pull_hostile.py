@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from agent import manifest
-from agent.policy_model import Model, Policy, Source
+from agent.policy.model import Model, Policy, Source
 from agent.pull import engine
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.pull.worker import WindowState, Worker, WorkerDeps

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.engine import PullOptions, PullStopped, pull_version
 from agent.ratelimit import TokenBucket
 from agent.store import Store

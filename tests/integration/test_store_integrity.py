@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent import manifest
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.pull.engine import PullError, PullOptions, StoreFull, pull_version
 from agent.pull.journal import Partial
 from agent.store import Store, space

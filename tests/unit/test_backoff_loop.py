@@ -1,6 +1,6 @@
 import threading
 
-from agent.policy_model import Backoff, Policy, Shaping
+from agent.policy.model import Backoff, Policy, Shaping
 from agent.ratelimit import TokenBucket
 from shaping.backoff import BackoffLoop, BucketRate, cap_for, distribution_bytes, start_for_pull
 from shaping.controller import Controller

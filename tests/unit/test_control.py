@@ -9,11 +9,11 @@ import pytest
 from agent.control import (
     RESERVED_SLOTS,
     ControlError,
+    ControlRequest,
     ControlServer,
     NotRunning,
     Peer,
     ProtocolError,
-    Request,
     authorized,
     call,
     dispatch,
@@ -40,7 +40,7 @@ class FakeController:
 
 
 def test_parse_request():
-    assert parse_request(b'{"cmd": "status"}') == Request("status", {})
+    assert parse_request(b'{"cmd": "status"}') == ControlRequest("status", {})
     for bad in (b"nope", b"[]", b'{"cmd": 1}', b'{"cmd": "rm -rf"}', b'{"cmd": "status", '
                 b'"args": 3}', b"\xff"):
         with pytest.raises(ProtocolError):
@@ -59,12 +59,12 @@ def test_authorized():
 def test_dispatch_maps_errors_to_replies():
     c = FakeController()
     nobody = Peer(1, 65534, 65534)
-    assert dispatch(c, Request("status", {}), nobody, [0]) == {"ok": True,
+    assert dispatch(c, ControlRequest("status", {}), nobody, [0]) == {"ok": True,
                                                                "result": {"schema": 1}}
-    r = dispatch(c, Request("reload", {}), nobody, [0])
+    r = dispatch(c, ControlRequest("reload", {}), nobody, [0])
     assert r["kind"] == "forbidden" and "uid 65534" in r["error"] and c.reloads == 0
-    assert dispatch(c, Request("pause", {}), Peer(1, 0, 0), [])["kind"] == "state"
-    assert dispatch(c, Request("resume", {}), Peer(1, 0, 0), [])["kind"] == "internal"
+    assert dispatch(c, ControlRequest("pause", {}), Peer(1, 0, 0), [])["kind"] == "state"
+    assert dispatch(c, ControlRequest("resume", {}), Peer(1, 0, 0), [])["kind"] == "internal"
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import pytest
 
-from agent.policy_model import Backoff
+from agent.policy.model import Backoff
 from shaping.controller import BACKED_OFF, FULL, RAMPING, Controller, assess
 from shaping.detect.readings import (
     LinkReading,

@@ -11,7 +11,7 @@ import pytest
 from agent.announce import announce, announced, latest_sources
 from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece, to_json
-from agent.policy_model import Source
+from agent.policy.model import Source
 from agent.store import Store
 
 

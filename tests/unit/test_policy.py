@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent import policy_model
-from agent.commands.policy import policy_document
 from agent.policy import Issue, PolicyError, check_policy, load_policy, parse_policy
-from agent.policy_model import Policy
+from agent.policy import model as policy_model
+from agent.policy.document import policy_document
+from agent.policy.model import Policy
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"
 
@@ -87,8 +87,9 @@ def test_fleet_example_and_schema_document_every_key():
     text = (POLICIES / "fleet.example.yaml").read_text()
     schema = (POLICIES / "schema.md").read_text()
     for cls in (Policy, policy_model.Role, policy_model.Window, policy_model.Waves,
-                policy_model.Source, policy_model.Model, policy_model.Store, policy_model.Pulls,
-                policy_model.Shaping, policy_model.Backoff, policy_model.Metrics,
+                policy_model.Source, policy_model.Model, policy_model.StoreSettings,
+                policy_model.Pulls, policy_model.Shaping, policy_model.Backoff,
+                policy_model.MetricsSettings,
                 policy_model.Control):
         for f in dataclasses.fields(cls):
             if f.metadata.get("yaml", True) and not f.metadata.get("key"):
@@ -334,7 +335,7 @@ def test_a_new_field_needs_no_loader_change():
         burst: int = policy_model.size_field(1024, min=512)
         settle: float = policy_model.duration_field(2.0)
 
-    from agent.policy_build import Builder
+    from agent.policy.build import Builder
 
     b = Builder("x.yaml")
     node = yaml.compose("burst: 64KiB\nsettle: 1m30s\n")

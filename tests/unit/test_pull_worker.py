@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from agent.policy_model import Model, Policy, Pulls
+from agent.policy.model import Model, Policy, Pulls
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.scheduler import Scheduler
 

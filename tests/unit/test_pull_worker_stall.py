@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from agent.policy_model import Model, Policy
+from agent.policy.model import Model, Policy
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.status import EXIT_DEGRADED, EXIT_HEALTHY, DaemonState, exit_code, to_json, to_text
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 
 from agent.policy import parse_policy
-from agent.policy_model import Policy, Role, Waves, Window
+from agent.policy.model import Policy, Role, Waves, Window
 from agent.schedule import (
     cache_spread,
     is_open,

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.policy_model import Window
+from agent.policy.model import Window
 from agent.scheduler import Scheduler
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.policy_model import Shaping, Source
+from agent.policy.model import Shaping, Source
 from shaping import state
 from shaping.errors import PlanError, ShapingError
 from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, FilterState, HtbClassState, Qdisc

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from agent.policy_model import Shaping
+from agent.policy.model import Shaping
 from shaping.netlink import (
     RTM_NEWQDISC,
     _tc_error,

@@ -4,7 +4,7 @@ import threading
 from types import SimpleNamespace
 
 from agent.application import Application
-from agent.policy_model import Shaping
+from agent.policy.model import Shaping
 from agent.snapshot import shaped_interfaces
 from shaping.errors import ShapingError
 from shaping.observed import ClassStats

@@ -3,13 +3,13 @@
 from prometheus_client import generate_latest
 
 from agent.metrics import Metrics
-from agent.policy_model import Metrics as MetricsPolicy
+from agent.policy.model import MetricsSettings
 from agent.status import to_json
 from tests.unit.test_status import NOW, busy_state
 
 
 def scrape(doc, fetched, tmp_path=None):
-    m = Metrics(MetricsPolicy(listen=None,
+    m = Metrics(MetricsSettings(listen=None,
                               textfile=str(tmp_path / "wagent.prom") if tmp_path else None))
     m.update(doc, fetched)
     return generate_latest(m.registry).decode(), m
@@ -39,7 +39,7 @@ def test_exposition_has_every_family(tmp_path):
 
 
 def test_nothing_before_the_first_tick():
-    m = Metrics(MetricsPolicy(listen=None))
+    m = Metrics(MetricsSettings(listen=None))
     assert generate_latest(m.registry) == b""
 
 

@@ -1,7 +1,7 @@
-"""YAML nodes to the frozen dataclasses of ``agent.policy_model``, driven by the classes themselves.
+"""YAML nodes to the frozen dataclasses of ``agent.policy.model``, driven by the classes themselves.
 
 Every YAML key is a dataclass field of the same name; the annotation says the type and the field's
-metadata the unit (see ``agent.policy_model``). The walk runs over ``yaml.compose`` nodes rather
+metadata the unit (see ``agent.policy.model``). The walk runs over ``yaml.compose`` nodes rather
 than plain Python values so that every value still knows its line. Nothing stops at the first
 error: each problem is recorded with its line and the walk goes on with the field's default, so
 one ``policy check`` shows them all.

@@ -11,7 +11,7 @@ annotation and its unit from the field's metadata. To add a key, add a field her
     settle: float = duration_field(2.0, min=0.1)  # "2s" in YAML, seconds; at least 100ms
     mode: str = "auto"                            # plain text, no unit
 
-and document it in ``policies/fleet.example.yaml``; ``agent/policy.py`` needs no change.
+and document it in ``policies/fleet.example.yaml``; ``agent/policy/rules.py`` needs no change.
 Metadata keys the loader understands: ``unit`` (rate, rate_share, size, duration, port,
 port_range),
 ``min``/``max`` (bounds, in the field's own unit), ``choices`` (allowed values), ``yaml``
@@ -114,7 +114,7 @@ class Model:
 
 
 @dataclass(frozen=True)
-class Store:
+class StoreSettings:
     path: str = "/var/cache/wagent"
     # per model, newest first, pins on top
     keep_versions: int = field(default=2, metadata={"min": 1})
@@ -192,7 +192,7 @@ class Backoff:
 
 
 @dataclass(frozen=True)
-class Metrics:
+class MetricsSettings:
     listen: str | None = "127.0.0.1:9464"  # host:port for Prometheus, or None
     textfile: str | None = None            # node_exporter textfile path, or None
 
@@ -213,11 +213,11 @@ class Policy:
     sources: tuple[Source, ...] = ()
     models: tuple[Model, ...] = ()
     poll_interval: float = duration_field(300.0)  # how often "latest" is polled
-    store: Store = field(default_factory=Store)
+    store: StoreSettings = field(default_factory=StoreSettings)
     pulls: Pulls = field(default_factory=Pulls)
     shaping: Shaping = field(default_factory=Shaping)
     backoff: Backoff = field(default_factory=Backoff)
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
     control: Control = field(default_factory=Control)
     state_dir: str = "/var/lib/wagent"
     # IANA name (Europe/Berlin) of the clock the role windows' cron fields are read on
