@@ -15,14 +15,13 @@ dropped from ``models`` stop pulling, a moved control socket or metrics port is 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,21 @@ from agent.hooks import run_hook
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
+from agent.parts import Parts
 from agent.policy import load_policy
 from agent.policy.model import Model, Policy
+from agent.pull import engine
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
 from agent.snapshot import snapshot
 from agent.status import DaemonState
 from agent.store import Store, StoreError, pointers, space
+from shaping.runtime import ShapingRuntime
 
 log = logging.getLogger(__name__)
 
-VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (see _verify_shaping)
+VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (ShapingRuntime.verify)
 CLEAN_EVERY = 3600.0    # seconds between the store's cleanings and evictions (also after pulls)
 METRICS_EVERY = 5.0     # seconds between metrics updates (the textfile, the exporter's gauges)
 # The state dir holds what to restore on `shaping clear`: no one else writes or reads it. The
@@ -68,32 +70,6 @@ def make_private_dir(path: str, mode: int) -> None:
                          f"chmod o-w {path}, or point the policy at a directory of its own")
 
 
-@dataclass
-class Parts:
-    """Everything the daemon runs for one policy. Mutable: reconcile updates it in place, and
-    the worker's functions read ``parts.policy`` at call time, so they follow reloads."""
-
-    policy: Policy
-    identity: Identity
-    store: Store
-    bucket: TokenBucket
-    worker: Worker
-    scheduler: Scheduler
-    shaper: Any | None = None
-    backoff: Any | None = None
-    control: ControlServer | None = None
-    metrics: Metrics | None = None
-    ceil_bps: int | None = None          # what the kernel's distribution ceil was set to last
-    shaping_notes: tuple[str, ...] = ()  # what the last apply said
-    metrics_error: str | None = None
-    metrics_failures: int = 0            # metrics updates that failed (a new reason each)
-    shaping_error: str | None = None     # the last periodic re-apply failed (status: degraded)
-    shaping_repairs: int = 0             # times the periodic re-apply found the kernel changed
-    # The shaper's netlink socket is used from the backoff thread, the main loop and control
-    # threads: one at a time.
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
 HORIZON = 366 * 86400.0  # how far ahead a window's closing is looked for
 
 
@@ -101,14 +77,16 @@ class Application:
     def __init__(self, policy_path: str, *, state_dir: str | None = None,
                  socket: str | None = None, hostname: str | None = None,
                  node_id: str | None = None, role_override: Path = ROLE_OVERRIDE,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.policy_path = policy_path
         self.state_dir = state_dir
         self.socket = socket
         self.hostname = hostname
         self.node_id = node_id
         self.role_override = role_override
-        self.clock = clock
+        self.clock = clock            # wall clock: schedules, the store's times, status
+        self.monotonic = monotonic    # intervals: the backoff loop's ticks, stop budgets
 
     # -- policy -------------------------------------------------------------------------------
     def load(self) -> Policy:
@@ -148,11 +126,13 @@ class Application:
         bucket = TokenBucket(policy.pulls.rate)
         parts = Parts(policy=policy, identity=self.identify(policy), store=store, bucket=bucket,
                       worker=None, scheduler=Scheduler(),  # type: ignore[arg-type]
-                      control=control)
+                      shaping=None, control=control)  # type: ignore[arg-type]
         parts.worker = Worker(policy, self._worker_deps(parts))
+        parts.shaping = ShapingRuntime(
+            policy, bucket, clock=self.monotonic,
+            bytes_read=lambda: sum(parts.worker.fetched_totals().values()))
         try:
-            self._apply_shaping(parts, policy)
-            self._start_backoff(parts)
+            parts.shaping.start()
             parts.scheduler.start()
             parts.worker.start(parts.scheduler)
             control.start()
@@ -170,13 +150,13 @@ class Application:
         upgrade must not open an unshaped gap (``wagent shaping clear`` removes them)."""
         if parts is None:
             return
-        deadline = time.monotonic() + budget
+        deadline = self.monotonic() + budget
         if parts.worker is not None:
             parts.worker.stop()
         # The jobs end with their pulls (stopped just now); wait no longer than the budget.
-        _join_within(parts.scheduler.shutdown, max(0.1, deadline - time.monotonic() - 0.5))
-        if parts.backoff is not None:
-            parts.backoff.stop(max(0.1, min(1.0, deadline - time.monotonic())))
+        _join_within(parts.scheduler.shutdown, max(0.1, deadline - self.monotonic() - 0.5))
+        if parts.shaping is not None:
+            parts.shaping.stop(max(0.1, min(1.0, deadline - self.monotonic())))
         if parts.control is not None:
             parts.control.stop()
         if parts.metrics is not None:
@@ -195,12 +175,9 @@ class Application:
             parts.store = store
         make_private_dir(new.state_dir, STATE_MODE)
         # Shaping first: if the kernel refuses the new tree, nothing else has changed yet.
-        had_shaper = parts.shaper is not None
-        with parts.lock:
-            self._apply_shaping(parts, new, old)
+        parts.shaping.reconcile(new)
         parts.policy = new
         parts.identity = self.identify(new)
-        self._reconcile_backoff(parts, old, had_shaper)
         parts.worker.update(new)
         if parts.control is not None:
             self._schedule_housekeeping(parts, parts.control.controller)
@@ -228,104 +205,8 @@ class Application:
             parts.metrics_error = str(e)
         return metrics
 
-    # -- shaping and backoff -----------------------------------------------------------------
-    def _apply_shaping(self, parts: Parts, new: Policy, old: Policy | None = None) -> None:
-        was = old.shaping if old is not None and old.shaping.enabled else None
-        if new.shaping.enabled:
-            from shaping.shaper import Shaper  # only nodes that shape need pyroute2
-
-            shaper = Shaper(new.shaping, new.sources, new.state_dir)
-            keep = None
-            if parts.ceil_bps is not None and old is not None and old.shaping.enabled:
-                # keep the backoff controller's ceil; it retunes from there on its next tick
-                keep = min(parts.ceil_bps, new.shaping.ceil)
-            report = shaper.apply(ceil=keep)   # adopts wagent's own tree, changes it in place
-            if parts.shaper is not None:
-                parts.shaper.close()
-            parts.shaper = shaper
-            parts.shaping_notes = tuple(report.notes)
-            parts.verify_at = time.monotonic() + VERIFY_EVERY   # just reconciled
-            parts.ceil_bps = keep if keep is not None else new.shaping.ceil
-        else:
-            if parts.shaper is not None:
-                parts.shaper.close()
-            parts.shaper = None
-            parts.ceil_bps = None
-            parts.shaping_notes = ()
-        if was is not None and not new.shaping.enabled:
-            # sweep: shaping no longer declared at all. (Interfaces dropped from a policy that
-            # still shapes are swept by Shaper.apply itself, from its state records.)
-            from shaping.shaper import Shaper
-
-            assert old is not None
-            Shaper(was, old.sources, old.state_dir).clear()
-            log.info("shaping disabled by the new policy: caps cleared on %s",
-                     ", ".join(was.interfaces))
-
-    def _reconcile_backoff(self, parts: Parts, old: Policy, had_shaper: bool) -> None:
-        """Retune the running loop in place where possible: restarting it would forget that
-        training is on and open the ceil to the cap for a tick."""
-        from shaping.backoff import cap_for
-        from shaping.detect import Detectors
-
-        new, loop = parts.policy, parts.backoff
-        same_shape = (had_shaper == (parts.shaper is not None)
-                      and new.shaping.interfaces == old.shaping.interfaces)
-        if loop is not None and new.backoff.enabled and same_shape:
-            if new.backoff != old.backoff or new.shaping.link_rate != old.shaping.link_rate:
-                from agent.pull.sockets import REGISTRY
-
-                loop.controller.link = new.shaping.link_rate
-                loop.controller.backoff = new.backoff
-                REGISTRY.budget_s = new.backoff.queue_budget
-                loop.detectors = Detectors.from_policy(new.backoff, new.shaping.interfaces,
-                                                       link=loop.distribution is not None)
-                loop.tick_s = max(0.01, float(new.backoff.tick))
-            loop.controller.set_cap(cap_for(new))
-            return
-        if loop is not None:
-            loop.stop(2.0)
-            parts.backoff = None
-        parts.bucket.set_rate(new.pulls.rate)
-        self._start_backoff(parts)
-
-    def _start_backoff(self, parts: Parts) -> None:
-        from shaping.backoff import start_for_pull
-
-        def set_ceil(bps: int) -> None:
-            with parts.lock:
-                assert parts.shaper is not None
-                parts.shaper.set_ceil(bps)
-                parts.ceil_bps = bps
-
-        def stats() -> Any:
-            with parts.lock:
-                assert parts.shaper is not None
-                return parts.shaper.stats()
-
-        def counters() -> Any:
-            with parts.lock:
-                assert parts.shaper is not None
-                return parts.shaper.counters()
-
-        class _Shaper:
-            """The shaper the loop sees: always the current one (a reload replaces it), and
-            the ceil it sets is recorded for status."""
-
-            def __init__(self) -> None:
-                self.set_ceil = set_ceil
-                self.stats = stats
-                self.counters = counters
-
-        shaper = _Shaper() if parts.shaper is not None else None
-        parts.backoff = start_for_pull(
-            parts.policy, parts.bucket, shaper,
-            bytes_read=lambda: sum(parts.worker.fetched_totals().values()))
-
     # -- the pull worker's view of the world----------------------------------------------------
     def _worker_deps(self, parts: Parts) -> WorkerDeps:
-        from agent.pull import engine  # imports requests: only where pulls happen
-
         def options() -> Any:
             return engine.PullOptions.from_policy(parts.policy.pulls)
 
@@ -449,13 +330,8 @@ class Application:
     # -- the daemon's tick --------------------------------------------------------------------
     def workers(self, parts: Parts) -> dict[str, bool]:
         alive = {"scheduler": parts.scheduler.alive()}
-        if parts.backoff is not None:
-            probe = getattr(parts.backoff, "alive", None)   # BackoffLoop.alive(), once it lands
-            if probe is not None:
-                alive["backoff"] = bool(probe())
-            else:
-                t = getattr(parts.backoff, "_thread", None)
-                alive["backoff"] = t is not None and t.is_alive()
+        if parts.shaping.loop is not None:
+            alive["backoff"] = parts.shaping.loop.alive()
         if parts.control is not None:
             alive["control"] = parts.control.alive()
         return alive
@@ -464,37 +340,10 @@ class Application:
         if parts is None:
             return {}
         counts = {"pull": parts.worker.failures_total, "metrics": parts.metrics_failures,
-                  "shaping_repairs": parts.shaping_repairs}
-        if parts.backoff is not None:
-            counts["backoff_apply"] = parts.backoff.apply_errors
+                  "shaping_repairs": parts.shaping.repairs}
+        if parts.shaping.loop is not None:
+            counts["backoff_apply"] = parts.shaping.loop.apply_errors
         return counts
-
-    def _verify_shaping(self, parts: Parts) -> None:
-        """Every VERIFY_EVERY seconds, reconcile the kernel with the plan again. An interface
-        that was removed and re-created (a driver reset, a bond rebuilt) comes back with the
-        kernel's default qdisc and no ingress redirect: unshaped, while set_ceil on the IFB
-        still succeeds. An unchanged kernel costs a few dumps and sends nothing."""
-        if parts.shaper is None:
-            return
-        try:
-            with parts.lock:
-                report = parts.shaper.apply(ceil=parts.ceil_bps, quiet=True)
-        except Exception as e:
-            message = f"re-applying the caps failed: {e}"
-            if message != parts.shaping_error:
-                log.error("%s", message)
-            parts.shaping_error = message
-            return
-        parts.shaping_error = None
-        if report.changed:
-            parts.shaping_repairs += 1
-            log.warning("the kernel no longer had wagent's caps as planned (an interface "
-                        "re-created, tc or `wagent shaping clear` run by hand?); re-applied %d "
-                        "change(s). To remove the caps, stop the daemon first", len(report.actions))
-        if tuple(report.notes) != parts.shaping_notes:
-            for note in report.notes:
-                log.warning("%s", note)
-            parts.shaping_notes = tuple(report.notes)
 
     def pause(self, parts: Parts) -> None:
         parts.worker.pause()
@@ -509,7 +358,7 @@ class Application:
     def _schedule_housekeeping(self, parts: Parts, controller: Any) -> None:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
         s = parts.scheduler
-        s.every(VERIFY_EVERY, lambda: self._verify_shaping(parts), job_id="shaping-verify")
+        s.every(VERIFY_EVERY, parts.shaping.verify, job_id="shaping-verify")
         s.every(CLEAN_EVERY, lambda: self._evict(parts), job_id="store-clean")
 
         def metrics() -> None:
@@ -525,11 +374,11 @@ class Application:
                 if parts.metrics_error is not None and parts.metrics_error.startswith("writing"):
                     parts.metrics_error = None
 
-        s.every(METRICS_EVERY, metrics, job_id="metrics", first=time.time())
+        s.every(METRICS_EVERY, metrics, job_id="metrics", first=self.clock())
 
     # -- status ---------------------------------------------------------------------------
     def snapshot(self, parts: Parts | None, base: DaemonState) -> DaemonState:
-        return snapshot(parts, base, self.clock)
+        return snapshot(parts, base, self.clock, self.monotonic)
 
 
 def _join_within(stop: Callable[[bool], None], seconds: float) -> None:

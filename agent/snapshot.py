@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent import schedule
+from agent.parts import Parts
 from agent.status import (
     BackoffEvent,
     BackoffInfo,
@@ -27,14 +27,13 @@ from agent.status import (
 from agent.store import Store
 from agent.store.layout import NOT_VERSIONS
 
-if TYPE_CHECKING:
-    from agent.application import Parts
-
 MAX_EVENTS = 20        # backoff state changes shown in status
 
 
-def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float]) -> DaemonState:
-    """The daemon's state with the running parts' views filled in (any thread)."""
+def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float],
+             monotonic: Callable[[], float]) -> DaemonState:
+    """The daemon's state with the running parts' views filled in (any thread). ``clock`` is
+    the wall clock status speaks, ``monotonic`` the backoff loop's."""
     if parts is None:
         return base
     p, ident = parts.policy, parts.identity
@@ -48,35 +47,32 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float])
         base, paused=parts.worker.paused, node=node,
         errors=base.errors + tuple(e for e in (parts.metrics_error, parts.worker.step_error)
                                    if e),
-        shaping=shaping_info(parts), backoff=backoff_info(parts, clock),
+        shaping=shaping_info(parts), backoff=backoff_info(parts, clock() - monotonic()),
         pulls=parts.worker.snapshot(),
         window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
         store=store_info(parts.store))
 
 
 def shaping_info(parts: Parts) -> ShapingInfo:
-    sh = parts.policy.shaping
-    if parts.shaper is None:
+    rt = parts.shaping
+    if rt.shaper is None:
         return ShapingInfo(enabled=False)
     try:
-        with parts.lock:   # one netlink socket; the backoff thread uses it too
-            interfaces = shaped_interfaces(parts.shaper.stats(), parts.shaper.plan(),
-                                           parts.ceil_bps)
+        interfaces = shaped_interfaces(*rt.stats())
         error = None
     except Exception as e:
         interfaces, error = (), f"reading the tc counters failed: {e}"
-    error = parts.shaping_error or error
-    return ShapingInfo(enabled=True, cap_bps=sh.ceil, current_ceil_bps=parts.ceil_bps,
-                       interfaces=interfaces, error=error, notes=parts.shaping_notes)
+    return ShapingInfo(enabled=True, cap_bps=parts.policy.shaping.ceil,
+                       current_ceil_bps=rt.ceil, interfaces=interfaces,
+                       error=rt.error or error, notes=rt.notes)
 
 
-def backoff_info(parts: Parts, clock: Callable[[], float]) -> BackoffInfo:
-    loop = parts.backoff
+def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
+    """``offset``: wall-clock time minus the loop's monotonic time (status speaks wall-clock)."""
+    loop = parts.shaping.loop
     if loop is None:
         return BackoffInfo(enabled=False)
     st = loop.status()
-    # The loop's clock is monotonic; status speaks wall-clock time.
-    offset = clock() - time.monotonic()
     events: list[BackoffEvent] = []
     prev = None
     for a in list(loop.history):
@@ -110,10 +106,9 @@ def store_info(store: Store) -> StoreInfo:
                      free_bytes=free)
 
 
-def shaped_interfaces(stats: Any, plan: Any, ceil_bps: int | None
-                      ) -> tuple[ShapedInterface, ...]:
+def shaped_interfaces(stats: Any, plan: Any) -> tuple[ShapedInterface, ...]:
     """Status values from ``Shaper.stats()`` (flat ClassStats per tc device), grouped by the
-    plan's trees: egress on the interface, ingress on its IFB."""
+    plan's trees (with the live ceil): egress on the interface, ingress on its IFB."""
     by_device: dict[str, list[Any]] = {}
     for c in stats:
         by_device.setdefault(c.device, []).append(c)
@@ -127,8 +122,6 @@ def shaped_interfaces(stats: Any, plan: Any, ceil_bps: int | None
             for c in sorted(by_device.get(tree.device, ()), key=lambda c: c.classid):
                 conf = configured.get(c.name)
                 ceil = conf.ceil if conf is not None else None
-                if c.name == "distribution" and ceil_bps is not None:
-                    ceil = ceil_bps
                 classes.append(ClassCounters(
                     name=c.name, classid=c.classid, bytes=c.bytes, packets=c.packets,
                     drops=c.drops, overlimits=c.overlimits,

@@ -10,14 +10,17 @@ hand with ``tick()``; ``start()`` runs them on a thread.
 
     loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
                        Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
-                       set_windows=REGISTRY.set_rate, set_kernel_ceil=shaper.set_ceil,
-                       set_pull_rate=BucketRate(bucket), distribution=shaper.counters,
+                       set_windows=REGISTRY.set_rate, set_kernel_ceil=KernelCeil(runtime),
+                       set_pull_rate=BucketRate(bucket), distribution=runtime.counters,
                        streams=REGISTRY.sample, tick=policy.backoff.tick)
     loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
     loop.status()   # plain values for status --json and metrics
 
-``start_for_pull`` and ``pull_backoff`` build exactly that around one ``wagent pull``.
+The loop holds the rate it wants (its controller's decision), never a copy of what a sink
+holds: a sink that can say (``current()``) is asked, one that can't is called again whenever
+the decision moves or its last call failed. ``shaping.runtime`` builds the loop for the daemon
+and for ``wagent pull --policy`` alike.
 """
 
 from __future__ import annotations
@@ -26,13 +29,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.policy.model import Backoff, Policy, Source
-from agent.pull.sockets import REGISTRY, PullSockets, StreamsSample
+from agent.policy.model import Policy
+from agent.pull.sockets import StreamsSample
 from agent.units import format_rate
 from shaping.controller import Controller, Decision
 from shaping.detect import Detectors
@@ -84,9 +86,12 @@ class BackoffLoop:
         self._clock = clock
         self._stop = threading.Event()
         self._sleep = sleep if sleep is not None else self._stop.wait
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()     # what status reads: decision, readings, history
+        self._tune = threading.Lock()     # controller and detectors: a tick against update()
         self._thread: threading.Thread | None = None
-        self._applied: dict[str, int] = {}    # what each sink last accepted
+        self._failed: set[str] = set()    # sinks whose last call raised: called again
+        # (backoff, interfaces) the detectors were built for; None: unknown, rebuilt on update
+        self.watching: tuple[Any, ...] | None = None
         self.decision: Decision | None = None
         self.readings: Readings | None = None
         self.history: deque[Applied] = deque(maxlen=HISTORY)
@@ -102,25 +107,30 @@ class BackoffLoop:
     def tick(self) -> Decision:
         """One tick: sample, decide, apply (sinks that failed last time are retried)."""
         now = self._clock()
-        # The link detector calls the distribution counters itself, between two reads of the
-        # interface counters; a failure there is reported like any detector's.
-        readings = self.detectors.sample(now, self.distribution)
-        decision = self.controller.step(readings, now)
+        with self._tune:
+            # The link detector calls the distribution counters itself, between two reads of
+            # the interface counters; a failure there is reported like any detector's.
+            readings = self.detectors.sample(now, self.distribution)
+            before = self.decision
+            decision = self.controller.step(readings, now)
+        moved = before is None or before.rate_bps != decision.rate_bps
         for name, sink in self.sinks.items():
-            # A sink that can say what it holds is trusted over our memory of it: someone else
-            # (a --rate given at start, a reload) may have moved it since.
+            # A sink that can say what it holds is trusted over the decision's history: someone
+            # else (a --rate given at start, a reload) may have moved it since.
             current = getattr(sink, "current", None)
             try:
-                held = current() if callable(current) else self._applied.get(name)
-                if held == decision.rate_bps:
+                if callable(current):
+                    if current() == decision.rate_bps:
+                        continue
+                elif not moved and name not in self._failed:
                     continue
                 sink(decision.rate_bps)
             except Exception as e:  # keep the other side moving; retried next tick
                 self.apply_errors += 1
                 self._note_error(f"setting {name} to {format_rate(decision.rate_bps)}: {e}")
-                self._applied.pop(name, None)
+                self._failed.add(name)
             else:
-                self._applied[name] = decision.rate_bps
+                self._failed.discard(name)
         if decision.changed:
             log.info("distribution rate %s (%s): %s", format_rate(decision.rate_bps),
                      decision.state, decision.reason)
@@ -154,14 +164,19 @@ class BackoffLoop:
             self._sleep(next_at - now)
 
     def update(self, policy: Policy, rate: int | None = None) -> None:
-        """A reloaded policy: new thresholds, cap, tick and detectors; the state carries on
-        (a node backed off for training stays backed off)."""
-        with self._lock:
-            self.controller.link = policy.shaping.link_rate
-            self.controller.backoff = policy.backoff
-            self.controller.set_cap(cap_for(policy, rate))
-            self.detectors = Detectors.from_policy(policy.backoff, policy.shaping.interfaces,
-                                                   link=self.detectors.link is not None)
+        """A reloaded policy: new thresholds, cap and tick; the state carries on (a node backed
+        off for training stays backed off). The detectors are rebuilt only when what they
+        watch changed: a new one has no previous counters and reads nothing for a tick."""
+        with self._tune:
+            c = self.controller
+            watching = (policy.backoff, tuple(policy.shaping.interfaces))
+            rebuild, self.watching = watching != self.watching, watching
+            c.link = policy.shaping.link_rate
+            c.backoff = policy.backoff
+            c.set_cap(cap_for(policy, rate))
+            if rebuild:
+                self.detectors = Detectors.from_policy(policy.backoff, policy.shaping.interfaces,
+                                                       link=self.detectors.link is not None)
             self.tick_s = max(MIN_TICK, float(policy.backoff.tick))
 
     def start(self) -> BackoffLoop:
@@ -233,137 +248,3 @@ class BucketRate:
 
     def current(self) -> int | None:
         return self.bucket.rate
-
-
-def start_for_pull(policy: Policy, bucket: Any, shaper: Any | None = None, *,
-                   rate: int | None = None, bytes_read: Callable[[], int] | None = None,
-                   clock: Callable[[], float] = time.monotonic,
-                   sockets: PullSockets | None = REGISTRY) -> BackoffLoop | None:
-    """Run the policy's backoff beside a pull (``wagent pull --policy`` and the daemon alike);
-    None when backoff is disabled (then the pull sockets' windows are left to the kernel).
-
-    ``bucket`` is the pull's ``TokenBucket`` (``set_rate(bits_per_s)``, ``rate``); ``shaper`` the
-    applied ``shaping.shaper.Shaper`` (``set_ceil``, ``counters``) or None without kernel
-    shaping; ``sockets`` the registry of the pull's sockets, whose receive windows follow the
-    rate. The link detector needs the distribution's own bytes to tell other traffic from ours:
-    the shaper's ingress counters (exact), else the pull sockets' received bytes, else
-    ``bytes_read()`` (the pull's bytes as read), on a single interface; without any it stays
-    off, and the ports, RDMA and NCCL detectors still count.
-    """
-    backoff: Backoff = policy.backoff
-    if not backoff.enabled:
-        if sockets is not None:
-            sockets.set_rate(None)
-        return None
-    interfaces = tuple(policy.shaping.interfaces)
-    distribution: DistributionSource | None = None
-    if shaper is not None:
-        distribution = shaper_distribution(shaper, interfaces)
-    elif len(interfaces) == 1 and (sockets is not None or bytes_read is not None):
-        ifname = interfaces[0]
-
-        def distribution() -> Mapping[str, Counters]:
-            # Payload bytes against the link's rx_bytes (headers included): the ACK share
-            # allowance and the thresholds absorb the difference.
-            if sockets is not None:
-                return {ifname: (sockets.sample().bytes_received, 0)}
-            assert bytes_read is not None
-            return {ifname: (int(bytes_read()), 0)}
-
-    if sockets is not None:
-        sockets.budget_s = backoff.queue_budget
-    detectors = Detectors.from_policy(backoff, interfaces, link=distribution is not None)
-    controller = Controller(backoff, cap_for(policy, rate), link_bps=policy.shaping.link_rate)
-    loop = BackoffLoop(controller, detectors,
-                       set_kernel_ceil=shaper.set_ceil if shaper is not None else None,
-                       set_pull_rate=BucketRate(bucket) if bucket is not None else None,
-                       set_windows=sockets.set_rate if sockets is not None else None,
-                       distribution=distribution,
-                       streams=sockets.sample if sockets is not None else None,
-                       tick=backoff.tick, clock=clock)
-    return loop.start()
-
-
-@contextmanager
-def pull_backoff(policy: Policy, bucket: Any, *, rate: int | None = None,
-                 sources: Sequence[Source] = ()) -> Iterator[BackoffLoop | None]:
-    """Shaping and backoff around one CLI pull (``wagent pull --policy P``).
-
-    With ``shaping.enabled`` the policy's trees are applied first (wagent's existing tree is
-    adopted), so the kernel's ceil backs off with the pull's bucket; a tree this pull made is
-    cleared afterwards, one that was there before (the daemon's) gets its ceil back.
-    ``sources`` are the pull's own, added to the policy's for the ingress match.
-    Raises ``shaping.errors.ShapingError`` when shaping can't be applied (e.g. no CAP_NET_ADMIN).
-    """
-    shaper = None
-    made = False
-    if policy.shaping.enabled:
-        from shaping import state
-        from shaping.shaper import Shaper
-
-        known = {s.url for s in policy.sources}
-        shaper = Shaper(policy.shaping, (*policy.sources, *(s for s in sources
-                                                             if s.url not in known)),
-                        policy.state_dir)
-        before = state.load(policy.state_dir)
-        made = not any(i in before for i in policy.shaping.interfaces)
-        shaper.apply()
-    loop = None
-    try:
-        loop = start_for_pull(policy, bucket, shaper, rate=rate)
-        yield loop
-    finally:
-        if loop is not None:
-            loop.stop()
-        if shaper is not None:
-            try:
-                if made:
-                    shaper.clear()
-                else:
-                    shaper.set_ceil(policy.shaping.ceil)
-            except Exception as e:  # the pull's own outcome matters more; say what is left
-                log.warning("shaping left in place after the pull (%s); remove it with "
-                            "`wagent shaping clear --policy %s`", e, policy.path or "POLICY")
-            finally:
-                shaper.close()
-
-
-def shaper_distribution(shaper: Any, interfaces: Sequence[str]) -> DistributionSource:
-    """The distribution's counters per interface: ``Shaper.counters()`` (the ingress hook's
-    exact counters), else the classes' counters from ``Shaper.stats()``."""
-    counters = getattr(shaper, "counters", None)
-    if callable(counters):
-        return counters
-
-    def read() -> Mapping[str, Counters]:
-        return distribution_bytes(shaper.stats(), interfaces)
-
-    return read
-
-
-def distribution_bytes(stats: Iterable[Any], interfaces: Sequence[str]) -> dict[str, tuple[int,
-                                                                                         int]]:
-    """The bytes that reached the distribution classes, per interface: an IFB's tree
-    (``wg-eth0``) shapes what ``eth0`` receives, a tree on ``eth0`` itself what it sends.
-
-    HTB counts a class's bytes when they leave it; the interface counted them on arrival. So the
-    bytes queued in the class (backlog) and those it dropped (drops times the mean packet size)
-    are added: without them a queue building up at the cap looks like other traffic.
-    """
-    from shaping.plan import ifb_name
-
-    ifbs = {ifb_name(i): i for i in interfaces}
-    out: dict[str, tuple[int, int]] = {}
-    for st in stats:
-        if st.name != "distribution":
-            continue
-        mean_packet = st.bytes // st.packets if st.packets else 1500
-        arrived = st.bytes + st.backlog + st.drops * mean_packet
-        if st.device in ifbs:
-            name = ifbs[st.device]
-            rx, tx = out.get(name, (0, 0))
-            out[name] = (rx + arrived, tx)
-        else:
-            rx, tx = out.get(st.device, (0, 0))
-            out[st.device] = (rx, tx + arrived)
-    return out

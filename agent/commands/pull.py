@@ -24,8 +24,8 @@ from agent.ratelimit import TokenBucket
 from agent.redact import redact
 from agent.store import Store, StoreError, pointers
 from agent.units import UnitError, parse_rate, parse_size
-from shaping.backoff import pull_backoff
 from shaping.errors import ShapingError
+from shaping.runtime import around_pull
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -92,7 +92,7 @@ def run_with_policy(args: argparse.Namespace) -> int:
         return 2
     bucket = TokenBucket(None)
     try:
-        with pull_backoff(policy, bucket, rate=rate, sources=[Source(source)]):
+        with around_pull(policy, bucket, rate=rate, sources=[Source(source)]):
             return run_pull(args, bucket)
     except ShapingError as e:
         print(f"wagent pull: shaping: {e}", file=sys.stderr)

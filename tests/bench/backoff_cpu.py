@@ -41,6 +41,7 @@ from agent.pull.engine import PullOptions, pull_version
 from agent.ratelimit import TokenBucket
 from agent.store import Store
 from shaping import backoff as sb
+from shaping.runtime import around_pull
 
 url, model, policy_path, store, seconds = sys.argv[1:6]
 seconds = float(seconds)
@@ -80,7 +81,7 @@ def pull():
         result.setdefault("pull", type(e).__name__)
 
 
-with sb.pull_backoff(policy, bucket, sources=[Source(source)]) as loop:
+with around_pull(policy, bucket, sources=[Source(source)]) as loop:
     t = threading.Thread(target=pull, daemon=True)
     t.start()
     print("started", flush=True)

@@ -2,7 +2,7 @@ import threading
 
 from agent.policy.model import Backoff, Policy, Shaping
 from agent.ratelimit import TokenBucket
-from shaping.backoff import BackoffLoop, BucketRate, cap_for, distribution_bytes, start_for_pull
+from shaping.backoff import BackoffLoop, BucketRate, cap_for
 from shaping.controller import Controller
 from shaping.detect import Detectors
 from shaping.detect.link import LinkDetector
@@ -175,34 +175,6 @@ class Bucket(TokenBucket):
         super().set_rate(bits_per_s)
 
 
-class Shaper:
-    def __init__(self):
-        self.ceils = []
-
-    def set_ceil(self, bps):
-        self.ceils.append(bps)
-
-
-def test_start_for_pull(tmp_path):
-    write_tcp(tmp_path, [], [])
-    policy = Policy(backoff=Backoff(tick=0.1, roots=(("root", str(tmp_path)),)),
-                    shaping=Shaping(ceil=800 * M))
-    bucket = Bucket()
-    loop = start_for_pull(policy, bucket, None, sockets=None)
-    try:
-        assert loop is not None and loop.controller.cap == 800 * M
-        assert loop.detectors.link is None                  # nothing to subtract: off
-        for _ in range(50):
-            if bucket.rates:
-                break
-            threading.Event().wait(0.02)
-        assert bucket.rates[0] == 800 * M
-    finally:
-        loop.stop()
-    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), bucket, None,
-                          sockets=None) is None
-
-
 class Windows:
     """A stand-in for agent.pull.sockets.PullSockets."""
 
@@ -232,40 +204,6 @@ def test_windows_move_first_then_the_bucket_then_the_ceil(tmp_path):
         (8, 40, 10_000)
 
 
-def test_start_for_pull_drives_the_windows_and_counts_their_bytes(tmp_path):
-    set_netdev(tmp_path, "eth0", 0, 0)
-    write_tcp(tmp_path, [], [])
-    policy = Policy(backoff=Backoff(tick=0.05, queue_budget=0.002, nccl_processes=False,
-                                    roots=(("root", str(tmp_path)),)),
-                    shaping=Shaping(interfaces=("eth0",), enabled=False, link_rate=G))
-    windows = Windows()
-    loop = start_for_pull(policy, Bucket(), None, sockets=windows)
-    try:
-        # No shaper: the pull sockets' own bytes tell our traffic from the link's.
-        assert loop.detectors.link is not None and windows.budget_s == 0.002
-        for _ in range(50):
-            if windows.rates:
-                break
-            threading.Event().wait(0.02)
-        assert windows.rates[0] == G
-    finally:
-        loop.stop()
-    assert start_for_pull(Policy(backoff=Backoff(enabled=False)), Bucket(), None,
-                          sockets=windows) is None
-    assert windows.rates[-1] is None                # backoff off: windows left to the kernel
-
-
-def test_shaper_counters_are_the_distribution_source():
-    from shaping.backoff import shaper_distribution
-    from shaping.observed import LinkCounters
-
-    class Counting(Shaper):
-        def counters(self):
-            return {"eth0": LinkCounters(5, 0, 50)}
-
-    assert shaper_distribution(Counting(), ["eth0"])() == {"eth0": LinkCounters(5, 0, 50)}
-
-
 def test_cap_for():
     p = Policy(shaping=Shaping(ceil=500 * M))
     assert cap_for(p) == 500 * M
@@ -283,22 +221,6 @@ def test_bucket_moved_behind_the_loops_back_is_set_again(tmp_path):
     clock.t = 0.1
     loop.tick()
     assert bucket.rates == [G, 300 * M, G] and bucket.rate == G
-
-
-class Stat:
-    def __init__(self, device, name, nbytes, packets=1, backlog=0, drops=0):
-        self.device, self.name, self.bytes = device, name, nbytes
-        self.packets, self.backlog, self.drops = packets, backlog, drops
-
-
-def test_distribution_bytes_from_shaper_stats():
-    stats = [Stat("wg-eth0", "distribution", 1000), Stat("wg-eth0", "default", 5),
-             Stat("eth0", "distribution", 70), Stat("eth1", "distribution", 9),
-             Stat("eth0", "root", 99)]
-    assert distribution_bytes(stats, ["eth0", "eth1"]) == {"eth0": (1000, 70), "eth1": (0, 9)}
-    # Queued and dropped bytes arrived too (drops are packets: times the mean packet size).
-    queued = [Stat("wg-eth0", "distribution", 150_000, packets=100, backlog=30_000, drops=4)]
-    assert distribution_bytes(queued, ["eth0"]) == {"eth0": (150_000 + 30_000 + 6000, 0)}
 
 
 def test_update_keeps_the_state_and_takes_the_new_settings(tmp_path):

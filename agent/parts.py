@@ -1,0 +1,36 @@
+"""What the daemon runs for one policy, as :class:`agent.application.Application` built it;
+read by ``agent.snapshot`` for status. Each piece of state has one owner among these parts:
+the kernel's ceil and the backoff loop are the shaping runtime's, the models' pulls the
+worker's, the timed jobs the scheduler's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent.control import ControlServer
+from agent.identity import Identity
+from agent.metrics import Metrics
+from agent.policy.model import Policy
+from agent.pull.worker import Worker
+from agent.ratelimit import TokenBucket
+from agent.scheduler import Scheduler
+from agent.store import Store
+from shaping.runtime import ShapingRuntime
+
+
+@dataclass
+class Parts:
+    """Mutable: reconcile updates it in place, and the worker's functions read ``policy`` at
+    call time, so they follow reloads."""
+
+    policy: Policy
+    identity: Identity
+    store: Store
+    bucket: TokenBucket
+    worker: Worker
+    scheduler: Scheduler
+    shaping: ShapingRuntime
+    control: ControlServer | None = None
+    metrics: Metrics | None = None
+    metrics_error: str | None = None
+    metrics_failures: int = 0            # metrics updates that failed (a new reason each)
