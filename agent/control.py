@@ -43,7 +43,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -360,13 +360,14 @@ class ControlServer:
             slot.release()
 
 
-def _read_line(conn: socket.socket, timeout: float, limit: int) -> bytes:
+def _read_line(conn: socket.socket, timeout: float, limit: int,
+               clock: Callable[[], float] = time.monotonic) -> bytes:
     """One line, within ``timeout`` seconds in total (not per recv: a client dribbling a byte a
     second is cut off too) and ``limit`` bytes."""
-    deadline = time.monotonic() + timeout
+    deadline = clock() + timeout
     buf = bytearray()
     while b"\n" not in buf:
-        left = deadline - time.monotonic()
+        left = deadline - clock()
         if left <= 0:
             raise TimeoutError("no complete request in time")
         conn.settimeout(left)

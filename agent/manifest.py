@@ -21,6 +21,7 @@ import json
 import os
 import re
 import reprlib
+import time
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -318,7 +319,7 @@ def build(directory: Path, model: str | None = None, version: str | None = None,
         FileEntry(rel, sum(s for _, s in bounds), file_sha,
                   tuple(Piece(o, s, h) for (o, s), h in zip(bounds, piece_shas, strict=True)))
         for rel, (_, bounds), (file_sha, piece_shas) in zip(rel_paths, plans, hashed, strict=True))
-    now = (clock or _wall_clock)()
+    now = (clock or time.time)()
     return Manifest(model, version, rfc3339(now), files)
 
 
@@ -333,8 +334,3 @@ def write(directory: Path, m: Manifest) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return target
-
-
-def _wall_clock() -> float:
-    import time
-    return time.time()

@@ -21,6 +21,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+import sdnotify
+
 
 def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
     """Seconds between WATCHDOG=1 messages: half of WATCHDOG_USEC, as sd_watchdog_enabled(3)
@@ -60,8 +62,6 @@ class WatchdogGate:
 
 
 def _sdnotify_sender() -> Callable[[str], None]:
-    import sdnotify  # only here: the daemon runs without systemd too
-
     notifier = sdnotify.SystemdNotifier()
     return notifier.notify
 

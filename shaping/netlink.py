@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from pyroute2 import IPRoute
 from pyroute2.netlink import nla, nlmsg
@@ -166,7 +166,8 @@ def _attr(msg: nla | nlmsg, name: str, default: object = None) -> object:
 class Netlink:
     """tc and link requests in the current network namespace. Use as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock               # times the counter reads (see ``ingress_counters``)
         try:
             self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
         except OSError as e:
@@ -256,13 +257,13 @@ class Netlink:
         ``READ_SPAN`` per tick."""
         best: tuple[float, int, int] | None = None
         for _ in range(READ_ATTEMPTS):
-            started = time.monotonic()
+            started = self.clock()
             seen = self._ingress_seen(index)
             if seen is None:
                 return None
             redirected = sum(mirred_bytes(raw, index)
                              for raw in self._dump(RTM_GETTFILTER, index, 0xFFFF0000))
-            span = time.monotonic() - started
+            span = self.clock() - started
             if best is None or span < best[0]:
                 best = (span, seen, redirected)
             if span <= READ_SPAN:

@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -115,10 +115,11 @@ class _Watch:
     """One request in flight as the watchdog sees it: when it must be done, the stop event that
     ends it early, and the connection it runs on (set by ``_WatchedPool``)."""
 
-    def __init__(self, limit: float | None, what: str, stop: threading.Event | None) -> None:
+    def __init__(self, limit: float | None, what: str, stop: threading.Event | None,
+                 now: float) -> None:
         self.limit = limit                  # seconds, for the message
         self.what = what                    # what must arrive by then, for the message
-        self.deadline = None if limit is None else time.monotonic() + limit
+        self.deadline = None if limit is None else now + limit
         self.stop = stop
         self.conn: Any = None
         self.cut: str | None = None         # "deadline" or "stopped", once cut
@@ -136,7 +137,8 @@ class _Watchdog:
 
     TICK = 0.1          # how soon a stop event is seen, and a socket not made yet retried
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._cond = threading.Condition()
         self._watches: set[_Watch] = set()
         self._thread: threading.Thread | None = None
@@ -159,13 +161,13 @@ class _Watchdog:
         with self._cond:
             if w.cut is None:
                 w.limit, w.what = limit, what
-                w.deadline = None if limit is None else time.monotonic() + limit
+                w.deadline = None if limit is None else self.clock() + limit
                 self._cond.notify()
 
     def _run(self) -> None:
         with self._cond:
             while True:
-                self._cond.wait(self._sweep(time.monotonic()))
+                self._cond.wait(self._sweep(self.clock()))
 
     def _sweep(self, now: float) -> float | None:
         """Cut what is due; seconds until the next look (None: until something changes)."""
@@ -275,7 +277,8 @@ class Client:
                 "timeout": (self.timeouts.connect, self.timeouts.read)}
 
     def _watch(self) -> _Watch:
-        w = _Watch(self.timeouts.headers_deadline, "the response headers", self.stop)
+        w = _Watch(self.timeouts.headers_deadline, "the response headers", self.stop,
+                   _WATCHDOG.clock())
         self._watches.add(w)
         _WATCHDOG.add(w)
         return w
