@@ -317,14 +317,14 @@ class ControlServer:
             except OSError:
                 conn.close()
                 continue
-            slot = self._slot_for(peer)
+            slot = self.slot_for(peer)
             if slot is None:
                 self._refuse_busy(conn)
                 continue
             threading.Thread(target=self._serve, args=(conn, peer, slot), name="control-conn",
                              daemon=True).start()
 
-    def _slot_for(self, peer: Peer) -> threading.BoundedSemaphore | None:
+    def slot_for(self, peer: Peer) -> threading.BoundedSemaphore | None:
         if self._slots.acquire(blocking=False):
             return self._slots
         privileged = peer.uid == 0 or peer.uid in self.allowed_uids

@@ -99,7 +99,7 @@ class Daemon:
         try:
             self.start(policy)
             if not self._stop:
-                self._tick()
+                self.tick()
                 self.notifier.ready()
                 log.info("wagent %s running, policy %s (sha256 %s)", __version__,
                          policy.path, policy.sha256[:12])
@@ -152,7 +152,7 @@ class Daemon:
                 if self._stop:
                     break
                 if self.monotonic() >= next_tick:
-                    self._tick()
+                    self.tick()
                     next_tick = self.monotonic() + TICK
                 self._watchdog()
         finally:
@@ -210,7 +210,7 @@ class Daemon:
     def workers(self) -> dict[str, bool]:
         return self.app.workers(self.parts) if self.parts is not None else {}
 
-    def _tick(self) -> None:
+    def tick(self) -> None:
         try:
             doc = self.status()
             self._ok("status")
@@ -270,7 +270,7 @@ class Daemon:
         self.policy_info = PolicyInfo(path=new.path, sha256=new.sha256, loaded_at=now,
                                       reloads=self.policy_info.reloads + 1)
         log.info("reloaded policy %s (sha256 %s)", new.path, new.sha256[:12])
-        self._tick()
+        self.tick()
         return {"reloaded": True, "path": new.path, "sha256": new.sha256}
 
     def _refuse(self, message: str, now: float) -> NoReturn:

@@ -412,7 +412,7 @@ class Netlink:
             if mseq == seq and mtype == NLMSG_ERROR:
                 code = -struct.unpack_from("=i", body)[0]
                 if code:
-                    raise _tc_error(code, _ext_ack(body, mflags), what, kind, msg_type)
+                    raise tc_error(code, _ext_ack(body, mflags), what, kind, msg_type)
                 return
 
     def _dump(self, msg_type: int, index: int, parent: int) -> list[bytes]:
@@ -432,7 +432,7 @@ class Netlink:
             if mtype == NLMSG_ERROR:
                 code = -struct.unpack_from("=i", body)[0]
                 if code:
-                    raise _tc_error(code, _ext_ack(body, mflags), "reading tc state", "",
+                    raise tc_error(code, _ext_ack(body, mflags), "reading tc state", "",
                                     msg_type)
                 break
             out.append(struct.pack("=IHHII", 16 + len(body), mtype, 0, mseq, 0) + body)
@@ -663,7 +663,7 @@ def _ext_ack(body: bytes, flags: int) -> str:
     return ""
 
 
-def _tc_error(code: int, kernel: str, what: str, kind: str, msg_type: int) -> ShapingError:
+def tc_error(code: int, kernel: str, what: str, kind: str, msg_type: int) -> ShapingError:
     detail = f"{os.strerror(code)}" + (f" ({kernel})" if kernel else "")
     if code in (errno.EPERM, errno.EACCES):
         return ShapingError(f"{what}: permission denied. {NET_ADMIN_HINT}")

@@ -57,13 +57,14 @@ class Detectors:
         """``tick``: pace the ports and NCCL detectors by their CPU cost, never more often than
         this; None runs them every sample (tests driving the detectors by hand)."""
         self.link, self.rdma, self.ports, self.nccl = link, rdma, ports, nccl
-        self._ports = self._nccl = None
+        self.ports_paced = self.nccl_paced = None
         if tick is not None and ports is not None:
-            self._ports = Paced(ports.sample, Pacer(PORTS_SHARE, tick, max(tick, PORTS_MOST)),
-                                between=ports.refresh)
+            self.ports_paced = Paced(ports.sample,
+                                     Pacer(PORTS_SHARE, tick, max(tick, PORTS_MOST)),
+                                     between=ports.refresh)
         if tick is not None and nccl is not None:
-            self._nccl = Paced(nccl.sample, Pacer(NCCL_SHARE, max(tick, NCCL_LEAST),
-                                                  NCCL_MOST))
+            self.nccl_paced = Paced(nccl.sample, Pacer(NCCL_SHARE, max(tick, NCCL_LEAST),
+                                                       NCCL_MOST))
 
     @classmethod
     def from_policy(cls, backoff: Backoff, interfaces: Sequence[str] = (),
@@ -97,8 +98,8 @@ class Detectors:
             at=now,
             links=run("link", self.link.sample, now, distribution) if self.link else (),
             rdma=run("rdma", self.rdma.sample, now) if self.rdma else (),
-            ports=run("ports", self._ports or self.ports.sample, now) if self.ports else (),
-            nccl=run("nccl", self._nccl or self.nccl.sample, now) if self.nccl else (),
+            ports=run("ports", self.ports_paced or self.ports.sample, now) if self.ports else (),
+            nccl=run("nccl", self.nccl_paced or self.nccl.sample, now) if self.nccl else (),
             errors=tuple(errors),
         )
 

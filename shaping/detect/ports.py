@@ -145,8 +145,8 @@ def parse_proc_net_tcp(text: str) -> Iterator[TcpSocket]:
         if len(fields) < 10:
             continue
         try:
-            local = _parse_addr(fields[1])
-            remote = _parse_addr(fields[2])
+            local = parse_addr(fields[1])
+            remote = parse_addr(fields[2])
             state = int(fields[3], 16)
             inode = int(fields[9])
         except ValueError:
@@ -154,7 +154,7 @@ def parse_proc_net_tcp(text: str) -> Iterator[TcpSocket]:
         yield TcpSocket(local, remote, state, inode)
 
 
-def _parse_addr(text: str) -> tuple[str, int]:
+def parse_addr(text: str) -> tuple[str, int]:
     """``0100007F:0CEA`` -> ("127.0.0.1", 3306): the address is in host byte order words."""
     hexaddr, _, hexport = text.partition(":")
     if len(hexaddr) not in (8, 32):

@@ -122,15 +122,15 @@ def test_a_failing_detector_or_counter_does_not_stop_the_loop(tmp_path):
 def test_run_keeps_a_tick_grid_and_stops(tmp_path):
     clock = Clock()
     seen = []
-    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), tick=0.1, clock=clock)
 
     def sleep(s):
         seen.append(round(clock.t, 3))
         clock.t += s + 0.01 if len(seen) == 2 else s   # one late wake-up
         if len(seen) == 6:
-            loop._stop.set()
+            loop.stop()
 
-    loop._sleep = sleep
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), tick=0.1, clock=clock,
+                       sleep=sleep)
     loop.run()
     assert seen == [0.0, 0.1, 0.21, 0.3, 0.4, 0.5]
     assert loop.ticks == 6

@@ -163,11 +163,11 @@ def test_slots_kept_for_root_and_the_service_user_only(server):
     `wagent reload` (systemd's ExecReload); they can't take the kept slots themselves."""
     srv, _ = server
     reader, root = Peer(pid=1, uid=4321, gid=4321), Peer(pid=1, uid=0, gid=0)
-    taken = [srv._slot_for(reader), srv._slot_for(reader)]   # max_clients=2 in the fixture
+    taken = [srv.slot_for(reader), srv.slot_for(reader)]   # max_clients=2 in the fixture
     assert all(taken)
-    assert srv._slot_for(reader) is None
-    kept = [srv._slot_for(root) for _ in range(RESERVED_SLOTS)]
-    assert all(kept) and srv._slot_for(root) is None
+    assert srv.slot_for(reader) is None
+    kept = [srv.slot_for(root) for _ in range(RESERVED_SLOTS)]
+    assert all(kept) and srv.slot_for(root) is None
     for slot in taken + kept:
         slot.release()
 

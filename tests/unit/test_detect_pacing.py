@@ -32,8 +32,8 @@ def test_paced_returns_the_last_readings_in_between():
 def test_detectors_from_a_policy_pace_the_dear_ones(tmp_path):
     write_tcp(tmp_path, [], [])
     dets = Detectors(ports=PortsDetector([(29500, 29500)], tmp_path), tick=0.1)
-    assert dets._ports is not None and dets._ports.pacer.least == 0.1
-    assert Detectors(ports=PortsDetector([(29500, 29500)], tmp_path))._ports is None
+    assert dets.ports_paced is not None and dets.ports_paced.pacer.least == 0.1
+    assert Detectors(ports=PortsDetector([(29500, 29500)], tmp_path)).ports_paced is None
 
 
 def test_between_full_runs_what_was_found_is_checked_cheaply():

@@ -5,7 +5,7 @@ from shaping.detect.ports import (
     SYN_RECV,
     SYN_SENT,
     PortsDetector,
-    _parse_addr,
+    parse_addr,
     parse_proc_net_tcp,
 )
 from tests.backoff_helpers import TCP_HEADER, tcp_line, write_tcp
@@ -23,10 +23,10 @@ RECORDED_TCP6 = (DATA / "node_proc_net_tcp6").read_text()
 
 
 def test_parse_addresses():
-    assert _parse_addr("0100007F:0CEA") == ("127.0.0.1", 3306)
-    assert _parse_addr("02004D0A:B2C4") == ("10.77.0.2", 45764)
-    assert _parse_addr("B80D0120000000000000000001000000:733C") == ("2001:db8::1", 29500)
-    assert _parse_addr("0000000000000000FFFF00000100007F:733C") == ("127.0.0.1", 29500)
+    assert parse_addr("0100007F:0CEA") == ("127.0.0.1", 3306)
+    assert parse_addr("02004D0A:B2C4") == ("10.77.0.2", 45764)
+    assert parse_addr("B80D0120000000000000000001000000:733C") == ("2001:db8::1", 29500)
+    assert parse_addr("0000000000000000FFFF00000100007F:733C") == ("127.0.0.1", 29500)
 
 
 def test_recorded_iperf3_connections_on_29500(tmp_path):

@@ -13,12 +13,12 @@ from pathlib import Path
 from agent.policy.model import Shaping
 from shaping.netlink import (
     RTM_NEWQDISC,
-    _tc_error,
     class_message,
     decode,
     parse_class,
     parse_filter,
     parse_qdisc,
+    tc_error,
 )
 from shaping.observed import TC_H_INGRESS, TC_H_ROOT, Device, FilterState, HtbClassState, Qdisc
 from shaping.plan import (
@@ -117,9 +117,9 @@ def test_class_message_round_trip_above_2_to_the_32_bytes_per_second():
 
 
 def test_error_words():
-    e = _tc_error(errno.EPERM, "", "htb on eth0", "htb", RTM_NEWQDISC)
+    e = tc_error(errno.EPERM, "", "htb on eth0", "htb", RTM_NEWQDISC)
     assert "CAP_NET_ADMIN" in str(e) and "AmbientCapabilities" in str(e)
-    e = _tc_error(errno.ENOENT, "Specified qdisc kind is unknown", "htb on eth0", "htb",
+    e = tc_error(errno.ENOENT, "Specified qdisc kind is unknown", "htb on eth0", "htb",
                   RTM_NEWQDISC)
     assert "modprobe sch_htb" in str(e)
 

@@ -124,9 +124,9 @@ def test_a_tick_that_failed_once_does_not_degrade_status_forever():
 
     d = Daemon(App(), Notifier(lambda _m: None), hard_exit=None)
     d.parts = {}
-    d._tick()
+    d.tick()
     assert d.status()["problems"] == [
         "building the status failed: a part's state could not be read"]
-    d._tick()                            # it works again: healthy, the count stays
+    d.tick()                            # it works again: healthy, the count stays
     doc = d.status()
     assert doc["health"] == "healthy" and doc["daemon"]["error_counts"] == {"status": 1}
