@@ -27,6 +27,7 @@ from typing import Any
 
 from agent import announce, schedule
 from agent.control import ControlServer, prepare_socket_dir, trusted_uids
+from agent.durable import write_atomic
 from agent.hooks import run_hook
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import MAX_MANIFEST_BYTES, published_ts
@@ -322,9 +323,7 @@ class Application:
         key = f"{model}/{version}"
         if key not in seen:
             seen[key] = self.clock()
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(seen, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(seen, indent=1, sort_keys=True).encode(), mode=0o600)
         return float(seen[key])
 
     # -- the daemon's tick --------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import uuid
 from pathlib import Path
 
 
@@ -17,3 +18,24 @@ def fsync_dir(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that a reader, or a crash, sees the old file or the new
+    one, never half of one. ``durable``: the data and the rename survive a power cut too (an
+    LRU hint need not). The temporary name is never followed if it is a symlink."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), mode)     # whatever the umask
+            out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)

@@ -29,12 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from agent import hashing, safetensors_layout
+from agent.durable import write_atomic
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 DEFAULT_PIECE_SIZE = 64 * 2**20
 MAX_MANIFEST_BYTES = 64 * 2**20
-_MANIFEST_TMP = f".{MANIFEST_NAME}.tmp"   # left by a crashed write: never part of a version
+_MANIFEST_TMP = f".{MANIFEST_NAME}.tmp"   # left by a crashed write (durable.write_atomic)
 MAX_NAME_BYTES = 255                  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 1024                 # well inside PATH_MAX (4096) once under a store
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -305,7 +306,7 @@ def build(directory: Path, model: str | None = None, version: str | None = None,
         for name in sorted(names):
             full = Path(root, name)
             rel = full.relative_to(directory).as_posix()
-            if rel in (MANIFEST_NAME, _MANIFEST_TMP) or not full.is_file():
+            if rel == MANIFEST_NAME or rel.startswith(_MANIFEST_TMP) or not full.is_file():
                 continue
             rel_paths.append(check_path(rel))
     check_paths(rel_paths, str(directory))      # what every node would refuse, refused here
@@ -326,11 +327,5 @@ def build(directory: Path, model: str | None = None, version: str | None = None,
 def write(directory: Path, m: Manifest) -> Path:
     """Write ``manifest.json`` atomically (a reader never sees half a manifest)."""
     target = directory / MANIFEST_NAME
-    tmp = directory / _MANIFEST_TMP
-    try:
-        tmp.write_bytes(to_json(m))
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(target, to_json(m))
     return target

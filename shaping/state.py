@@ -11,11 +11,10 @@ was lost): clearing then leaves the kernel's default.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.durable import write_atomic
 from shaping.errors import ShapingError
 from shaping.reconcile import Original
 
@@ -65,13 +64,7 @@ def save(state_dir: str, records: dict[str, Record]) -> None:
             r.interface: {"root": ({"kind": r.original.kind, "handle": r.original.handle}
                                    if r.original else None), "ifb": r.ifb}
             for r in sorted(records.values(), key=lambda r: r.interface)}}
-        fd, tmp = tempfile.mkstemp(prefix=".shaping.", dir=p.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
+        write_atomic(p, (json.dumps(body, indent=2) + "\n").encode(), mode=0o600)
     except OSError as e:
         raise ShapingError(f"{p}: can't write wagent's shaping state ({e}); check that the state "
                            "directory (policy state_dir, or --state-dir) is writable") from None

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.blob_id import blob_id
-from agent.durable import fsync_dir
+from agent.durable import fsync_dir, write_atomic
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError, check_name, parse, published_ts
 
 log = logging.getLogger(__name__)
@@ -368,13 +368,8 @@ class Store:
 
     def write_usage(self, usage: Mapping[str, float]) -> None:
         # An LRU hint: atomic (a reader never sees half of it), not fsynced.
-        tmp = self._usage_file.with_name(f".usage.tmp-{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     FILE_MODE)
-        with os.fdopen(fd, "w") as out:
-            os.fchmod(out.fileno(), FILE_MODE)
-            out.write(json.dumps(dict(sorted(usage.items())), indent=1))
-        os.replace(tmp, self._usage_file)
+        write_atomic(self._usage_file, json.dumps(dict(sorted(usage.items())), indent=1).encode(),
+                     mode=FILE_MODE, durable=False)
 
     # -- space ----------------------------------------------------------------------------------
     def usage(self) -> int:

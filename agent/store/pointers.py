@@ -17,7 +17,7 @@ import json
 import os
 import uuid
 
-from agent.durable import fsync_dir
+from agent.durable import fsync_dir, write_atomic
 from agent.manifest import check_name
 from agent.store.layout import FILE_MODE, Store, StoreError
 
@@ -87,16 +87,8 @@ def pin(store: Store, model: str, version: str, on: bool = True) -> bool:
             versions.discard(version)
         doc = {m: sorted(vs) for m, vs in sorted(now.items()) if vs}
         store.ensure()
-        tmp = store.root / f".pins.tmp-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     FILE_MODE)
-        with os.fdopen(fd, "w") as out:
-            os.fchmod(out.fileno(), FILE_MODE)
-            out.write(json.dumps(doc, indent=1) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, store.root / PINS_FILE)
-        fsync_dir(store.root)
+        write_atomic(store.root / PINS_FILE, (json.dumps(doc, indent=1) + "\n").encode(),
+                     mode=FILE_MODE)
     return True
 
 

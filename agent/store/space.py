@@ -59,7 +59,9 @@ def _clean_dirs(store: Store, dry_run: bool) -> list[Removed]:
             found += [Path(e.path) for e in it
                       if e.name.startswith((".tmp-", ".trash-", ".current-"))]
     with contextlib.suppress(FileNotFoundError), os.scandir(store.root) as it:
-        found += [Path(e.path) for e in it if e.name.startswith((".usage.tmp-", ".pins.tmp-"))]
+        # durable.write_atomic's temporary names (".usage.tmp-" from wagent before 2026-12)
+        found += [Path(e.path) for e in it if e.name.startswith(
+            (".usage.json.tmp-", ".pins.json.tmp-", ".usage.tmp-", ".pins.tmp-"))]
     removed = []
     for path in found:
         removed.append(Removed("leftover", str(path.relative_to(store.root)), _size(path)))

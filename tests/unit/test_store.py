@@ -150,7 +150,7 @@ def test_evict_cleans_what_crashes_leave(store):
     (store.model_dir("m") / ".tmp-v2-12345678").mkdir()
     (store.model_dir("m") / ".tmp-v2-12345678" / "f").write_text("x")
     (store.model_dir("m") / ".trash-v0-12345678").mkdir()
-    (store.root / ".usage.tmp-12345678").write_text("{}")
+    (store.root / ".usage.json.tmp-12345678").write_text("{}")
     landed = bid(b"a")
     (store.partial / f"{landed}.journal").write_text("stale")      # crash after the move
     old, fresh = "1" * 64, "2" * 64
@@ -162,10 +162,10 @@ def test_evict_cleans_what_crashes_leave(store):
                           partial_after=50_000)
     assert {(r.kind, r.name) for r in removed} == {
         ("partial", landed), ("partial", old), ("leftover", "models/m/.tmp-v2-12345678"),
-        ("leftover", "models/m/.trash-v0-12345678"), ("leftover", ".usage.tmp-12345678")}
+        ("leftover", "models/m/.trash-v0-12345678"), ("leftover", ".usage.json.tmp-12345678")}
     assert sorted(os.listdir(store.partial)) == [f"{fresh}.journal", f"{fresh}.part"]
     assert os.listdir(store.model_dir("m")) == ["v1"]
-    assert not (store.root / ".usage.tmp-12345678").exists()
+    assert not (store.root / ".usage.json.tmp-12345678").exists()
     assert store.installed("m", "v1") is not None
 
 
