@@ -33,7 +33,6 @@ from agent.policy.model import Pulls, Source
 from agent.pull import plan as planning
 from agent.pull.goodput import Floor
 from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, redact, url_for
-from agent.pull.journal import Partial, PartialBusy
 from agent.pull.transfer import (
     FREE_SPACE_HINT,
     FileState,
@@ -45,6 +44,7 @@ from agent.pull.transfer import (
 )
 from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError, space
+from agent.store.partial import Partial, PartialBusy
 from agent.units import format_size
 
 T = TypeVar("T")

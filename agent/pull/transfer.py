@@ -46,10 +46,10 @@ from agent.pull.http import (
     redact,
     url_for,
 )
-from agent.pull.journal import Partial
 from agent.pull.plan import Copy, RangeRequest
 from agent.ratelimit import TokenBucket
 from agent.store import Store
+from agent.store.partial import Partial
 from agent.units import format_size
 
 log = logging.getLogger(__name__)

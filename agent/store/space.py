@@ -17,9 +17,8 @@ from pathlib import Path
 
 from agent.blob_id import blob_id
 from agent.manifest import ManifestError, published_ts
-from agent.pull import journal
 from agent.store import evict as evict_choice
-from agent.store import pointers
+from agent.store import partial, pointers
 from agent.store.layout import Removed, Store, distinct_size, remove_tree
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ def _clean(store: Store, alone: bool, now: float, partial_after: float | None,
             or (wanted is not None and not wanted(name))
 
     return removed + [Removed("partial", name, size)
-                      for name, size in journal.clean(store.partial, now, stale, dry_run)]
+                      for name, size in partial.clean(store.partial, now, stale, dry_run)]
 
 
 def _clean_dirs(store: Store, dry_run: bool) -> list[Removed]:

@@ -16,8 +16,8 @@ import pytest
 from agent import manifest
 from agent.policy.model import Source
 from agent.pull.engine import PullError, PullOptions, StoreFull, pull_version
-from agent.pull.journal import Partial
 from agent.store import Store, space
+from agent.store.partial import Partial
 from tests.pull_helpers import LoopbackNginx, blob_of, publish, publish_dir, same_files
 
 pytestmark = pytest.mark.debian

@@ -106,7 +106,7 @@ def test_touch_orders_lru(store):
 
 
 def test_journal_survives_reopen_and_ignores_torn_lines(tmp_path):
-    from agent.pull.journal import Partial, PartialBusy
+    from agent.store.partial import Partial, PartialBusy
     p = Partial(tmp_path, "f" * 64, 100, durable=False)
     p.write(0, b"x" * 10)
     p.record_etag("http://o", '"abc"')

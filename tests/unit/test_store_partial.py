@@ -2,8 +2,8 @@
 
 import os
 
-from agent.pull.journal import Partial
 from agent.pull.transfer import copy_range
+from agent.store.partial import Partial
 
 
 def test_copy_range_reports_a_short_source(tmp_path):
