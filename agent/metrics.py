@@ -5,40 +5,94 @@ collector on wagent's own ``CollectorRegistry`` (never the global one, which wou
 process metrics of whatever imported us) turns the latest document into metric families at
 scrape time. Served on ``metrics.listen`` (``127.0.0.1:9464`` by default; a threaded WSGI server
 we own, so a reload can move it) and/or written atomically to a node_exporter textfile
-(``metrics.textfile``) every tick.
+(``metrics.textfile``) every tick, and removed when the daemon stops.
 
-Names (all prefixed ``wagent_``): ``up``, ``healthy``, ``pull_bytes_total{model}`` (bytes fetched
-since start), ``pull_rate_bits_per_second{model}``, ``pull_done_bytes{model,version}``,
-``pull_size_bytes{model,version}``, ``pull_streams{model}``, ``pull_state{model,state}``,
-``shaping_cap_bits_per_second``, ``shaping_ceil_bits_per_second``,
-``shaping_class_{bytes,packets,drops,overlimits}_total{interface,direction,class}``,
-``backoff_state{state}``, ``backoff_rate_bits_per_second``, ``backoff_events_total``,
-``backoff_signal_events_total{signal}``,
-``detector_reading{name}``, ``store_used_bytes``, ``store_free_bytes``, ``store_versions``,
-``errors_total{kind}``, ``policy_reloads_total``, ``policy_reload_refused``.
+The names follow Prometheus' conventions as node_exporter does (every metric, its type, labels
+and unit: ``docs/status.md``, "Metrics"):
+
+- base units only: bytes and seconds. The status document speaks bits per second (as ``tc``
+  and the policy do); the metrics divide by 8, and RTTs in microseconds become seconds.
+- a traffic rate is a counter of bytes (``*_bytes_total``) for ``rate()`` to derive, never a
+  gauge beside it. A gauge in ``*_bytes_per_second`` exists only for what no counter can give:
+  a configured or controlled limit (a cap, a ceil, the backoff's target) and the detectors'
+  readings of other traffic, which wagent does not count itself.
+- ``*_info`` gauges of value 1 carry strings as labels (``build_info{version}``,
+  ``policy_info{sha256}``, ``model_current_info{model,version}``); moments are
+  ``*_timestamp_seconds`` (Unix time).
+- a labelled counter has every label value it can take from the start, at 0, so ``rate()`` and
+  ``increase()`` see its first increment.
+- the network interface label is ``device``, as node_exporter's, so the two join.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from agent import __version__
 from agent.policy.model import MetricsSettings
-from agent.status import PULL_STATES
+from agent.status import ERROR_KINDS, PULL_STATES
+from agent.store import Store
+from agent.store.pointers import current as current_pointer
 from shaping.controller import SIGNAL_KINDS
 
 log = logging.getLogger(__name__)
 
 BACKOFF_STATES = ("off", "full", "backed_off", "ramping")
+BITS_PER_BYTE = 8
+
+
+class Reading(NamedTuple):
+    name: str
+    help: str
+    scale: float            # from the status document's unit to the metric's base unit
+
+
+# The backoff loop's readings (status ``backoff.readings``), one metric each in its base unit:
+# a single ``reading{name}`` gauge would mix bits/s, microseconds, bytes and counts in one
+# family, which no query can sum or compare. A reading missing here is not exported: a new one
+# needs its name and unit decided first (and a row in docs/status.md).
+READINGS: dict[str, Reading] = {
+    "other_bps": Reading(
+        "wagent_backoff_other_traffic_bytes_per_second",
+        "Traffic on the link that is not wagent's (any port), the busier direction, last tick",
+        1 / BITS_PER_BYTE),
+    "rdma_bps": Reading(
+        "wagent_backoff_rdma_traffic_bytes_per_second",
+        "RDMA traffic on the busiest RDMA port, last tick", 1 / BITS_PER_BYTE),
+    "training_connections": Reading(
+        "wagent_backoff_training_connections",
+        "Connections on the policy's training ports, last tick", 1),
+    "nccl_processes": Reading(
+        "wagent_backoff_nccl_processes", "Processes that map libnccl, last scan", 1),
+    "pull_streams": Reading(
+        "wagent_backoff_pull_sockets",
+        "Pull sockets whose receive window the backoff loop clamps", 1),
+    "pull_min_rtt_us": Reading(
+        "wagent_backoff_pull_min_rtt_seconds", "Base (smallest) RTT of the pull sockets", 1e-6),
+    "pull_rtt_us": Reading(
+        "wagent_backoff_pull_rtt_seconds", "Median smoothed RTT of the pull sockets", 1e-6),
+    "pull_window_bytes": Reading(
+        "wagent_backoff_pull_window_bytes",
+        "The receive window each pull socket is clamped to", 1),
+}
+
+CLASS_COUNTERS: dict[str, str] = {
+    "bytes": "Bytes sent through wagent's HTB class",
+    "packets": "Packets sent through wagent's HTB class",
+    "drops": "Packets wagent's HTB class dropped",
+    "overlimits": "Times wagent's HTB class was over its rate or ceil (tc's overlimits)",
+}
 
 
 class MetricsError(Exception):
@@ -50,33 +104,108 @@ class _Collector:
         self.owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        doc, fetched = self.owner.latest()
+        doc, fetched, current, finished = self.owner.latest()
         if doc is None:
             return
-        yield from families(doc, fetched)
+        yield from families(doc, fetched, current, finished)
 
 
-def families(doc: dict[str, Any], fetched: dict[str, int]) -> Iterator[Metric]:
-    """Metric families from one status document (pure; tested without a registry)."""
+def current_versions(doc: Mapping[str, Any]) -> dict[str, str]:
+    """model -> the version ``{store}/models/{model}/current`` names, for every model in the
+    store the document names. Read from the store, not reported by the daemon: the pointer is
+    what inference servers load, whoever moved it (``wagent store`` by hand too)."""
+    path = doc["store"]["path"]
+    if not path:
+        return {}
+    store = Store(path)
+    try:
+        models = store.model_names()
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for model in models:
+        with contextlib.suppress(OSError):
+            version = current_pointer(store, model)
+            if version is not None:
+                out[model] = version
+    return out
+
+
+def families(doc: Mapping[str, Any], fetched: Mapping[str, int],
+             current: Mapping[str, str] | None = None,
+             finished: Mapping[str, float] | None = None) -> Iterator[Metric]:
+    """Metric families from one status document (pure but for ``current``, which is read from
+    the store when not given: see :func:`current_versions`). ``finished``: model -> when its
+    last pull finished, as :class:`Metrics` remembers it across documents; by default the
+    document's ``finished_at``."""
+    if current is None:
+        current = current_versions(doc)
+    if finished is None:
+        finished = last_finished(doc, {})
     g = GaugeMetricFamily
-    yield g("wagent_up", "1 while the daemon runs", value=1)
+    yield g("wagent_up", "1 while the daemon runs; the textfile is removed when it stops",
+            value=1)
     yield g("wagent_healthy", "1 healthy, 0 degraded (see wagent status)",
             value=1 if doc["health"] == "healthy" else 0)
-    c = CounterMetricFamily("wagent_pull_bytes", "Bytes fetched by pulls since the daemon "
-                            "started", labels=["model"])
-    for model, n in sorted(fetched.items()):
-        c.add_metric([model], n)
+    build = g("wagent_build_info", "1; version: the wagent version running (wagent --version)",
+              labels=["version"])
+    build.add_metric([__version__], 1)
+    yield build
+    yield g("wagent_start_timestamp_seconds", "When the daemon started, Unix time",
+            value=doc["daemon"]["started_at"])
+    yield from _pulls(doc, fetched, current, finished)
+    yield from _shaping(doc["shaping"])
+    yield from _backoff(doc["backoff"])
+    s = doc["store"]
+    yield g("wagent_store_used_bytes", "Bytes on disk in the store's blobs and partial files",
+            value=s["used_bytes"])
+    yield g("wagent_store_versions", "Version directories in the store", value=s["versions"])
+    if s["free_bytes"] is not None:
+        yield g("wagent_store_free_bytes", "Free bytes on the store's file system",
+                value=s["free_bytes"])
+    e = CounterMetricFamily("wagent_errors", "Errors by kind since the daemon started",
+                            labels=["kind"])
+    counts = doc["daemon"]["error_counts"]
+    for kind in sorted(set(ERROR_KINDS) | set(counts)):
+        e.add_metric([kind], counts.get(kind, 0))
+    yield e
+    yield from _policy(doc["policy"])
+
+
+def last_finished(doc: Mapping[str, Any], before: Mapping[str, float]) -> dict[str, float]:
+    """model -> when its last pull finished: the document's ``finished_at``, else what an
+    earlier document said. The worker clears ``finished_at`` when the model's next pull starts,
+    and a timestamp that vanished for the hours a pull lasts would end any "no pull finished
+    for a day" alert. A model gone from the policy goes from here too."""
+    models = {p["model"] for p in doc["pulls"]}
+    out = {m: at for m, at in before.items() if m in models}
+    for p in doc["pulls"]:
+        at = p.get("finished_at")
+        if at is not None:
+            out[p["model"]] = max(at, out.get(p["model"], at))
+    return out
+
+
+def _pulls(doc: Mapping[str, Any], fetched: Mapping[str, int], current: Mapping[str, str],
+           finished: Mapping[str, float]) -> Iterator[Metric]:
+    g = GaugeMetricFamily
+    c = CounterMetricFamily("wagent_pull_bytes", "Bytes pulls fetched over the network since "
+                            "the daemon started (its rate() is the pull goodput)",
+                            labels=["model"])
+    for model in sorted(set(fetched) | {p["model"] for p in doc["pulls"]}):
+        c.add_metric([model], fetched.get(model, 0))
     yield c
-    rate = g("wagent_pull_rate_bits_per_second", "Recent pull goodput", labels=["model"])
-    streams = g("wagent_pull_streams", "Connections in use", labels=["model"])
+    streams = g("wagent_pull_streams", "Connections of the model's pull with a request in "
+                "flight", labels=["model"])
     done = g("wagent_pull_done_bytes", "Bytes of the version in the store or fetched",
              labels=["model", "version"])
-    size = g("wagent_pull_size_bytes", "Size of the version being pulled",
+    size = g("wagent_pull_size_bytes", "Distinct bytes of the version being pulled",
              labels=["model", "version"])
     state = g("wagent_pull_state", "1 for the model's current pull state",
               labels=["model", "state"])
+    last = g("wagent_pull_last_finished_timestamp_seconds", "When the model's last pull "
+             "published its version, Unix time", labels=["model"])
     for p in doc["pulls"]:
-        rate.add_metric([p["model"]], p["rate_bps"])
         streams.add_metric([p["model"]], p["streams"])
         if p["version"]:
             done.add_metric([p["model"], p["version"]], p["bytes_done"])
@@ -84,31 +213,46 @@ def families(doc: dict[str, Any], fetched: dict[str, int]) -> Iterator[Metric]:
                 size.add_metric([p["model"], p["version"]], p["bytes_total"])
         for s in PULL_STATES:
             state.add_metric([p["model"], s], 1 if p["state"] == s else 0)
-    yield from (rate, streams, done, size, state)
-    sh = doc["shaping"]
+    for model, at in sorted(finished.items()):
+        last.add_metric([model], at)
+    cur = g("wagent_model_current_info", "1; version: the version the store's current pointer "
+            "names, the one inference servers load", labels=["model", "version"])
+    for model, version in sorted(current.items()):
+        cur.add_metric([model, version], 1)
+    yield from (streams, done, size, state, last, cur)
+
+
+def _shaping(sh: Mapping[str, Any]) -> Iterator[Metric]:
+    g = GaugeMetricFamily
     if sh["cap_bps"] is not None:
-        yield g("wagent_shaping_cap_bits_per_second", "The policy's cap of distribution "
-                "traffic", value=sh["cap_bps"])
+        yield g("wagent_shaping_cap_bytes_per_second", "The policy's cap (shaping.ceil) of "
+                "distribution traffic", value=sh["cap_bps"] / BITS_PER_BYTE)
     if sh["current_ceil_bps"] is not None:
-        yield g("wagent_shaping_ceil_bits_per_second", "The distribution class's ceil now",
-                value=sh["current_ceil_bps"])
-    counters = {k: CounterMetricFamily(f"wagent_shaping_class_{k}", f"HTB class {k}",
-                                       labels=["interface", "direction", "class"])
-                for k in ("bytes", "packets", "drops", "overlimits")}
+        yield g("wagent_shaping_ceil_bytes_per_second", "The distribution class's ceil now "
+                "(the backoff loop moves it)", value=sh["current_ceil_bps"] / BITS_PER_BYTE)
+    # device: the interface the policy names, as node_exporter's node_network_* label it (for
+    # ingress the tree itself is on an IFB device, which no one queries by name)
+    counters = {k: CounterMetricFamily(f"wagent_shaping_class_{k}", text,
+                                       labels=["device", "direction", "class"])
+                for k, text in CLASS_COUNTERS.items()}
     for i in sh["interfaces"]:
         for cl in i["classes"]:
             for k, fam in counters.items():
                 fam.add_metric([i["name"], i["direction"], cl["name"]], cl[k])
     yield from counters.values()
-    b = doc["backoff"]
+
+
+def _backoff(b: Mapping[str, Any]) -> Iterator[Metric]:
+    g = GaugeMetricFamily
     st = g("wagent_backoff_state", "1 for the backoff controller's current state",
            labels=["state"])
     for s in BACKOFF_STATES:
         st.add_metric([s], 1 if b["state"] == s else 0)
     yield st
     if b["rate_bps"] is not None:
-        yield g("wagent_backoff_rate_bits_per_second", "The controller's target rate",
-                value=b["rate_bps"])
+        yield g("wagent_backoff_rate_bytes_per_second", "The distribution rate the backoff "
+                "controller set (HTB ceil and the pulls' token bucket)",
+                value=b["rate_bps"] / BITS_PER_BYTE)
     yield CounterMetricFamily("wagent_backoff_events", "Times training traffic made wagent "
                               "back off", value=b["events_total"])
     by = CounterMetricFamily("wagent_backoff_signal_events", "Backoffs by the kind of signal "
@@ -117,33 +261,34 @@ def families(doc: dict[str, Any], fetched: dict[str, int]) -> Iterator[Metric]:
     for kind in SIGNAL_KINDS:
         by.add_metric([kind], b.get("events_by_signal", {}).get(kind, 0))
     yield by
-    r = g("wagent_detector_reading", "Detector readings (rates in bits/s, counts)",
-          labels=["name"])
-    for name, v in b["readings"].items():
-        r.add_metric([name], float(v))
-    yield r
-    s = doc["store"]
-    yield g("wagent_store_used_bytes", "Bytes in the store", value=s["used_bytes"])
-    yield g("wagent_store_versions", "Complete versions in the store", value=s["versions"])
-    if s["free_bytes"] is not None:
-        yield g("wagent_store_free_bytes", "Free bytes on the store's file system",
-                value=s["free_bytes"])
-    e = CounterMetricFamily("wagent_errors", "Errors by kind since start", labels=["kind"])
-    for kind, n in doc["daemon"]["error_counts"].items():
-        e.add_metric([kind], n)
-    yield e
-    pol = doc["policy"]
-    yield CounterMetricFamily("wagent_policy_reloads", "Successful reloads",
-                              value=pol["reloads"])
+    for key, value in sorted(b["readings"].items()):
+        r = READINGS.get(key)
+        if r is not None and value is not None:
+            yield g(r.name, r.help, value=float(value) * r.scale)
+
+
+def _policy(pol: Mapping[str, Any]) -> Iterator[Metric]:
+    g = GaugeMetricFamily
+    info = g("wagent_policy_info", "1; sha256: of the policy file in force",
+             labels=["sha256"])
+    if pol["sha256"]:
+        info.add_metric([pol["sha256"]], 1)
+    yield info
+    if pol["loaded_at"] is not None:
+        yield g("wagent_policy_loaded_timestamp_seconds", "When the policy in force was loaded "
+                "(start or last successful reload), Unix time", value=pol["loaded_at"])
+    yield CounterMetricFamily("wagent_policy_reloads", "Successful reloads since the daemon "
+                              "started", value=pol["reloads"])
     yield g("wagent_policy_reload_refused", "1 while the last reload was refused",
             value=1 if pol["last_error"] else 0)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    # A scraper that connects and never sends (or never reads) is dropped after this many
-    # seconds; without it each such connection holds a thread for ever.
-    timeout = 10
+# A scraper that connects and never sends (or never reads) is dropped after this many seconds;
+# without it each such connection holds a thread for ever.
+IDLE_TIMEOUT = 10.0
 
+
+class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
@@ -159,29 +304,38 @@ class _ThreadingWSGIServer6(_ThreadingWSGIServer):
 class Metrics:
     """Owns the registry, the HTTP endpoint and the textfile for one ``metrics`` policy."""
 
-    def __init__(self, policy: MetricsSettings) -> None:
+    def __init__(self, policy: MetricsSettings, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.policy = policy
+        self.idle_timeout = idle_timeout
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
         self._lock = threading.Lock()
         self._doc: dict[str, Any] | None = None
         self._fetched: dict[str, int] = {}
+        self._current: dict[str, str] = {}
+        self._finished: dict[str, float] = {}
         self._server: _ThreadingWSGIServer | None = None
         self._thread: threading.Thread | None = None
+        # held by a textfile write and by stop()'s removal, so a last tick racing the daemon's
+        # stop can't bring the file back
+        self._textfile_lock = threading.Lock()
+        self._stopped = False
 
-    def latest(self) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    def latest(self) -> tuple[dict[str, Any] | None, dict[str, int], dict[str, str],
+                              dict[str, float]]:
         with self._lock:
-            return self._doc, dict(self._fetched)
+            return self._doc, dict(self._fetched), dict(self._current), dict(self._finished)
 
     def start(self) -> None:
         if not self.policy.listen:
             return
         host, _, port = self.policy.listen.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
+        handler = type("Handler", (_QuietHandler,), {"timeout": self.idle_timeout})
         try:
             server = make_server(host, int(port), make_wsgi_app(self.registry),
                                  _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer,
-                                 handler_class=_QuietHandler)
+                                 handler_class=handler)
         except (OSError, ValueError) as e:
             raise MetricsError(f"can't serve metrics on {self.policy.listen}: {e}; change "
                                "metrics.listen in the policy (or set it to null)") from e
@@ -196,15 +350,32 @@ class Metrics:
         return self._server.server_address[1] if self._server is not None else None
 
     def stop(self) -> None:
+        """Stops serving and removes the textfile. Left behind, node_exporter would go on
+        exporting the last values (``wagent_up 1``, a pull rate) of a daemon that is gone;
+        removed, every series goes stale at the next scrape, as the endpoint's do. The same
+        holds on a reload that moves or drops the textfile. A daemon killed without stopping
+        leaves the file: ``node_textfile_mtime_seconds`` then stops moving."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+        with self._textfile_lock:
+            self._stopped = True
+            if self.policy.textfile:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.policy.textfile)
 
     def update(self, doc: dict[str, Any], fetched: dict[str, int]) -> None:
+        # The store is read here, once a tick, not at each scrape: scrapers set the pace there.
+        current = current_versions(doc)
         with self._lock:
-            self._doc, self._fetched = doc, dict(fetched)
-        if self.policy.textfile:
+            self._doc, self._fetched, self._current = doc, dict(fetched), current
+            self._finished = last_finished(doc, self._finished)
+        if not self.policy.textfile:
+            return
+        with self._textfile_lock:
+            if self._stopped:
+                return
             # write_to_textfile writes aside and renames: node_exporter never reads half a file
             os.makedirs(os.path.dirname(self.policy.textfile) or ".", exist_ok=True)
             write_to_textfile(self.policy.textfile, self.registry)

@@ -31,6 +31,11 @@ EXIT_NOT_RUNNING = 3
 PULL_STATES = ("idle", "waiting_slot", "waiting_window", "queued", "paused", "pulling", "done",
                "failed")
 
+# Every kind ``daemon.error_counts`` may hold (docs/status.md). The document carries only the
+# kinds seen; the metrics export all of them from the start, because a counter that appears on
+# its first error has no 0 before it and rate()/increase() miss that first error.
+ERROR_KINDS = ("backoff_apply", "metrics", "pull", "reload", "shaping_repairs", "status")
+
 
 @dataclass(frozen=True)
 class NodeInfo:
