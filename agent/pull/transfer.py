@@ -63,7 +63,8 @@ class StoreFull(PullError):
     """The store's file system is full: the pull gave back what it could and failed."""
 
 
-FREE_SPACE_HINT = "free space (or evict old versions) and pull again; verified pieces are kept"
+FREE_SPACE_HINT = ("run `wagent store gc` (unreferenced blobs, leftovers, stale partial files), "
+                   "unpin or evict old versions, then pull again; verified pieces are kept")
 
 
 class PullStopped(PullError):

@@ -177,7 +177,7 @@ def test_a_manifest_claiming_more_than_the_disk_takes_nothing(origin, tmp_path):
         store = Store(mnt / "store")
         store.ensure()
         before = free(mnt)
-        with pytest.raises(StoreFull, match="no space left in the store"):
+        with pytest.raises(StoreFull, match="no space left in the store.*`wagent store gc`"):
             pull_version([Source(ng.url)], "huge", "v1", store, options=FAST)
         assert free(mnt) >= before - 2**20
         r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
