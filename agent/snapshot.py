@@ -45,8 +45,8 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float],
     w = parts.worker.window()
     return replace(
         base, paused=parts.worker.paused, node=node,
-        errors=base.errors + tuple(e for e in (parts.metrics_error, parts.worker.step_error)
-                                   if e),
+        errors=base.errors + ((parts.metrics_error,) if parts.metrics_error else ())
+        + parts.worker.errors(),
         shaping=shaping_info(parts), backoff=backoff_info(parts, clock() - monotonic()),
         pulls=parts.worker.snapshot(),
         window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),

@@ -118,6 +118,7 @@ class _ModelState:
     samples: deque[tuple[float, int]] = field(default_factory=deque)
     engine_rate: float | None = None
     ready: str | None = None        # the version last handed to deps.ready
+    step_error: str | None = None   # the model's last step raised (status: degraded)
 
 
 class Worker:
@@ -135,7 +136,6 @@ class Worker:
         self._stopped = False
         self._paused = False
         self.failures_total = 0               # failed pulls since start (metrics)
-        self.step_error: str | None = None
         self._sync_models()
 
     # -- lifecycle, called from the daemon ----------------------------------------------------
@@ -229,6 +229,12 @@ class Worker:
     def window(self) -> WindowState:
         return self.deps.window(self.deps.clock())
 
+    def errors(self) -> tuple[str, ...]:
+        """Each model whose last step failed, and why (status is degraded meanwhile)."""
+        with self._lock:
+            return tuple(st.step_error for _, st in sorted(self._states.items())
+                         if st.step_error)
+
     def pulling(self) -> int:
         """How many models pull now (they share the node's streams)."""
         with self._lock:
@@ -242,14 +248,17 @@ class Worker:
                 return
             self._running.add(name)
             self._rerun.discard(name)
+        error = None
         try:
             wait = self.step(name)
-            self.step_error = None
         except Exception as e:  # one bad step must not end the model's job; status shows it
             log.exception("pull worker step for %s failed", name)
-            self.step_error = f"the pull worker failed a step for {name} (retrying): {e}"
+            error = f"the pull worker failed a step for {name} (retrying): {e}"
             wait = FAILED_STEP_RETRY
         with self._lock:
+            st = self._states.get(name)
+            if st is not None:
+                st.step_error = error
             self._running.discard(name)
             if name in self._rerun:
                 self._rerun.discard(name)

@@ -235,3 +235,26 @@ def test_a_model_dropped_by_a_reload_as_its_pull_finishes_is_no_error():
     step_all(p)
     assert [i.model for i in p.snapshot()] == ["b"]
     assert ("b", "v1") in w.pulled
+
+
+def test_a_failing_step_is_that_models_error_alone(scheduler):
+    w = World()
+    w.now = time.time()          # the retry of the failed step is armed on the real scheduler
+    deps = w.deps()
+    have = deps.have
+
+    def broken(model, version):
+        if model.name == "bad":
+            raise OSError("store unreadable")
+        return have(model, version)
+
+    p = Worker(policy(Model("bad"), Model("good")),
+               WorkerDeps(**{**deps.__dict__, "have": broken}))
+    p.start(scheduler)
+    try:
+        assert wait_until(lambda: ("good", "v1") in w.pulled and p.errors())
+        # the good model's steps succeed and don't clear the other's error
+        assert p.errors() == (
+            "the pull worker failed a step for bad (retrying): store unreadable",)
+    finally:
+        p.stop()
