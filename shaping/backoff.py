@@ -10,9 +10,11 @@ hand with ``tick()``; ``start()`` runs them on a thread.
 
     loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
                        Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
-                       set_windows=REGISTRY.set_rate, set_kernel_ceil=KernelCeil(runtime),
-                       set_pull_rate=BucketRate(bucket), distribution=runtime.counters,
-                       streams=REGISTRY.sample, tick=policy.backoff.tick)
+                       set_windows=REGISTRY.set_rate,
+                       set_pull_rate=Knob(bucket.set_rate, lambda: bucket.rate),
+                       set_kernel_ceil=Knob(shaper.set_ceil, lambda: shaper.ceil),
+                       distribution=shaper.counters, streams=REGISTRY.sample,
+                       tick=policy.backoff.tick)
     loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
     loop.status()   # plain values for status --json and metrics
@@ -237,14 +239,13 @@ def cap_for(policy: Policy, rate: int | None = None) -> int:
     return cap
 
 
-class BucketRate:
-    """The pulls' token bucket as a rate sink that can say what it holds (see ``tick``)."""
+class Knob:
+    """A rate sink that can say what it holds (see ``tick``), e.g. a token bucket:
+    ``Knob(bucket.set_rate, lambda: bucket.rate)``."""
 
-    def __init__(self, bucket: Any) -> None:
-        self.bucket = bucket
+    def __init__(self, set_rate: Callable[[int], Any], current: Callable[[], int | None]) -> None:
+        self._set = set_rate
+        self.current = current
 
     def __call__(self, bits_per_s: int) -> None:
-        self.bucket.set_rate(bits_per_s)
-
-    def current(self) -> int | None:
-        return self.bucket.rate
+        self._set(bits_per_s)

@@ -30,7 +30,7 @@ from agent.policy.model import Policy, Source
 from agent.pull.sockets import REGISTRY, PullSockets
 from agent.ratelimit import TokenBucket
 from shaping import state
-from shaping.backoff import BackoffLoop, BucketRate, cap_for
+from shaping.backoff import BackoffLoop, Knob, cap_for
 from shaping.controller import Controller
 from shaping.detect import Detectors
 from shaping.detect.link import Counters
@@ -204,7 +204,7 @@ class ShapingRuntime:
         the shaper's ingress counters (exact), else the pull sockets' received bytes, else
         ``bytes_read()``, on a single interface; without any it stays off, and the ports, RDMA
         and NCCL detectors still count."""
-        policy, sockets = self.policy, self.sockets
+        policy, sockets, bucket = self.policy, self.sockets, self.bucket
         backoff = policy.backoff
         if not backoff.enabled:
             if sockets is not None:
@@ -222,28 +222,18 @@ class ShapingRuntime:
         loop = BackoffLoop(Controller(backoff, cap_for(policy, self.rate),
                                       link_bps=policy.shaping.link_rate),
                            detectors,
-                           set_kernel_ceil=KernelCeil(self) if self.shaper is not None else None,
-                           set_pull_rate=BucketRate(self.bucket) if self.bucket else None,
+                           # the kernel's ceil: whatever shaper there is now (a reload replaces
+                           # it), what it holds read from the shaper itself
+                           set_kernel_ceil=Knob(self.set_ceil, lambda: self.ceil)
+                           if self.shaper is not None else None,
+                           set_pull_rate=Knob(bucket.set_rate, lambda: bucket.rate)
+                           if bucket is not None else None,
                            set_windows=sockets.set_rate if sockets is not None else None,
                            distribution=distribution,
                            streams=sockets.sample if sockets is not None else None,
                            tick=backoff.tick, clock=self.clock)
         loop.watching = (backoff, interfaces)
         self.loop = loop.start()
-
-
-class KernelCeil:
-    """The kernel's ceil as the loop's rate sink: whatever shaper the runtime has now (a reload
-    replaces it), and what it holds read from the shaper itself."""
-
-    def __init__(self, runtime: ShapingRuntime) -> None:
-        self.runtime = runtime
-
-    def __call__(self, bits_per_s: int) -> None:
-        self.runtime.set_ceil(bits_per_s)
-
-    def current(self) -> int | None:
-        return self.runtime.ceil
 
 
 def _pull_bytes(ifname: str, sockets: PullSockets | None, bytes_read: Callable[[], int] | None

@@ -5,6 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from agent.pull.sockets import StreamsSample
+from agent.ratelimit import TokenBucket
+
 
 def set_netdev(root: Path, ifname: str, rx: int, tx: int, ifindex: int = 2) -> None:
     dev = root / "sys" / "class" / "net" / ifname
@@ -75,3 +78,29 @@ backoff:
   training_ports: [29500]
 state_dir: {state}
 """
+
+
+class Bucket(TokenBucket):
+    """A token bucket that records every rate it is given."""
+
+    def __init__(self, bits_per_s=None):
+        super().__init__(bits_per_s)
+        self.rates = []
+
+    def set_rate(self, bits_per_s):
+        self.rates.append(bits_per_s)
+        super().set_rate(bits_per_s)
+
+
+class Windows:
+    """A stand-in for agent.pull.sockets.PullSockets."""
+
+    def __init__(self, received=0):
+        self.rates, self.budget_s, self.received = [], None, received
+
+    def set_rate(self, bps):
+        self.rates.append(bps)
+
+    def sample(self):
+        return StreamsSample(streams=8, min_rtt_us=40, bytes_received=self.received,
+                             window=10_000)

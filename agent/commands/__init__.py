@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import Any
 
+from agent.control import ControlError, NotRunning, call
 from agent.policy import PolicyError, load_policy
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
@@ -19,6 +22,17 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
                    help="the store (default: the policy's, else " + DEFAULT_STORE + ")")
     p.add_argument("--policy", default=DEFAULT_POLICY, metavar="PATH",
                    help=f"the policy whose store is meant (default {DEFAULT_POLICY})")
+
+
+def ask_daemon(cmd: str, socket: str, **kwargs: Any) -> dict[str, Any] | None:
+    """The daemon's answer to ``cmd``; None (the reason printed) when there is none."""
+    try:
+        return call(socket, cmd, **kwargs)
+    except NotRunning as e:
+        print(f"wagent {cmd}: the daemon is not running ({e})", file=sys.stderr)
+    except ControlError as e:
+        print(f"wagent {cmd}: {e}", file=sys.stderr)
+    return None
 
 
 def store_root(args: argparse.Namespace) -> str:

@@ -4,11 +4,9 @@ start again. Root or the service's user only (the daemon checks SO_PEERCRED)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
-from agent.control import ControlError, NotRunning, call
-
-DEFAULT_SOCKET = "/run/wagent/control.sock"
+from agent.commands import ask_daemon
+from agent.control import DEFAULT_SOCKET
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +21,8 @@ def _add(sub: argparse._SubParsersAction, name: str, help_text: str) -> None:
 
 
 def run(cmd: str, args: argparse.Namespace) -> int:
-    try:
-        result = call(args.socket, cmd)
-    except NotRunning as e:
-        print(f"wagent {cmd}: the daemon is not running ({e})", file=sys.stderr)
-        return 1
-    except ControlError as e:
-        print(f"wagent {cmd}: {e}", file=sys.stderr)
+    result = ask_daemon(cmd, args.socket)
+    if result is None:
         return 1
     print("pulls paused" if result.get("paused") else "pulls resumed")
     return 0

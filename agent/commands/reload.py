@@ -4,11 +4,9 @@ ExecReload). Exit 0 reloaded, 1 refused (the old policy stays in force) or no da
 from __future__ import annotations
 
 import argparse
-import sys
 
-from agent.control import ControlError, NotRunning, call
-
-DEFAULT_SOCKET = "/run/wagent/control.sock"
+from agent.commands import ask_daemon
+from agent.control import DEFAULT_SOCKET
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,13 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = call(args.socket, "reload", timeout=args.timeout)
-    except NotRunning as e:
-        print(f"wagent reload: the daemon is not running ({e})", file=sys.stderr)
-        return 1
-    except ControlError as e:
-        print(f"wagent reload: {e}", file=sys.stderr)
+    result = ask_daemon("reload", args.socket, timeout=args.timeout)
+    if result is None:
         return 1
     print(f"reloaded {result.get('path', '')} (sha256 {result.get('sha256', '')[:12]})")
     return 0

@@ -7,10 +7,8 @@ import argparse
 import json
 import sys
 
-from agent.control import ControlError, NotRunning, call
+from agent.control import DEFAULT_SOCKET, ControlError, NotRunning, call
 from agent.status import EXIT_NOT_RUNNING, SCHEMA, exit_code, not_running_text, to_text
-
-DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

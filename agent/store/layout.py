@@ -352,12 +352,8 @@ class Store:
     @contextlib.contextmanager
     def usage_lock(self) -> Iterator[None]:
         """Two pulls may touch at once (both hold the store lock shared): no lost update."""
-        fd = _open_lock(self.root / ".usage.lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _flocked(self.root / ".usage.lock", fcntl.LOCK_EX):
             yield
-        finally:
-            os.close(fd)
 
     def read_usage(self) -> dict[str, float]:
         try:
@@ -391,12 +387,8 @@ class Store:
     def pull_lock(self) -> Iterator[None]:
         """Held (shared) by a pull, so eviction never removes a blob a pull is about to use."""
         self.ensure()
-        fd = _open_lock(self.root / ".lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+        with _flocked(self.root / ".lock", fcntl.LOCK_SH):
             yield
-        finally:
-            os.close(fd)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[bool]:
@@ -415,6 +407,16 @@ class Store:
 
 def distinct_size(m: Manifest) -> int:
     return sum({blob_id(f): f.size for f in m.files}.values())
+
+
+@contextlib.contextmanager
+def _flocked(path: Path, how: int) -> Iterator[None]:
+    fd = _open_lock(path)
+    try:
+        fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _open_lock(path: Path) -> int:

@@ -1,13 +1,12 @@
 import threading
 
 from agent.policy.model import Backoff, Policy, Shaping
-from agent.ratelimit import TokenBucket
-from shaping.backoff import BackoffLoop, BucketRate, cap_for
+from shaping.backoff import BackoffLoop, Knob, cap_for
 from shaping.controller import Controller
 from shaping.detect import Detectors
 from shaping.detect.link import LinkDetector
 from shaping.detect.ports import ESTABLISHED, PortsDetector
-from tests.backoff_helpers import set_netdev, tcp_line, write_tcp
+from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
 
 M = 10**6
 G = 10**9
@@ -165,31 +164,6 @@ def test_thread_start_stop_backs_off_and_ramps(tmp_path):
     assert 10 * M in pull.calls and ceil.calls == pull.calls
 
 
-class Bucket(TokenBucket):
-    def __init__(self, bits_per_s=None):
-        super().__init__(bits_per_s)
-        self.rates = []
-
-    def set_rate(self, bits_per_s):
-        self.rates.append(bits_per_s)
-        super().set_rate(bits_per_s)
-
-
-class Windows:
-    """A stand-in for agent.pull.sockets.PullSockets."""
-
-    def __init__(self, received=0):
-        self.rates, self.budget_s, self.received = [], None, received
-
-    def set_rate(self, bps):
-        self.rates.append(bps)
-
-    def sample(self):
-        from agent.pull.sockets import StreamsSample
-        return StreamsSample(streams=8, min_rtt_us=40, bytes_received=self.received,
-                             window=10_000)
-
-
 def test_windows_move_first_then_the_bucket_then_the_ceil(tmp_path):
     order = []
     loop = BackoffLoop(Controller(POLICY, G), node(tmp_path),
@@ -214,8 +188,8 @@ def test_cap_for():
 def test_bucket_moved_behind_the_loops_back_is_set_again(tmp_path):
     clock = Clock()
     bucket = Bucket()
-    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_pull_rate=BucketRate(bucket),
-                       clock=clock)
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path),
+                       set_pull_rate=Knob(bucket.set_rate, lambda: bucket.rate), clock=clock)
     loop.tick()
     bucket.set_rate(300 * M)          # e.g. a static --rate applied after the loop started
     clock.t = 0.1

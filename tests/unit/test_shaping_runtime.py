@@ -5,40 +5,14 @@ real one runs in tests/integration/test_shaping.py and test_daemon_reload.py."""
 import threading
 
 from agent.policy.model import Backoff, Policy, Shaping
-from agent.pull.sockets import StreamsSample
-from agent.ratelimit import TokenBucket
 from shaping.errors import ShapingError
 from shaping.plan import SetLinkUp
 from shaping.runtime import ShapingRuntime
 from shaping.shaper import ApplyReport
-from tests.backoff_helpers import set_netdev, tcp_line, write_tcp
+from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
 
 M = 10**6
 G = 10**9
-
-
-class Bucket(TokenBucket):
-    def __init__(self, bits_per_s=None):
-        super().__init__(bits_per_s)
-        self.rates = []
-
-    def set_rate(self, bits_per_s):
-        self.rates.append(bits_per_s)
-        super().set_rate(bits_per_s)
-
-
-class Windows:
-    """A stand-in for agent.pull.sockets.PullSockets."""
-
-    def __init__(self, received=0):
-        self.rates, self.budget_s, self.received = [], None, received
-
-    def set_rate(self, bps):
-        self.rates.append(bps)
-
-    def sample(self):
-        return StreamsSample(streams=8, min_rtt_us=40, bytes_received=self.received,
-                             window=10_000)
 
 
 class FakeShaper:
