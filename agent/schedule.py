@@ -27,7 +27,6 @@ import bisect
 import functools
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime, tzinfo
 from zoneinfo import ZoneInfo
 
@@ -153,32 +152,6 @@ def start_at(published_at: float, learned_at: float, node_id: str, role: str, mo
     frac = offset_fraction(node_id, role, model, version)
     due = max(slot_from_fraction(published_at, frac, role, policy), learned_at)
     return pull_allowed_at(windows_for(policy, role), due, frac, policy.waves.spread)
-
-
-@dataclass(frozen=True)
-class SlotStatus:
-    """What ``wagent status`` shows about one version's schedule on this node."""
-
-    slot: float                       # the node's turn (POSIX seconds)
-    start: float | None               # when it starts: slot, learned time or next opening
-    seconds_until_slot: float         # 0 once the slot has passed
-    seconds_until_start: float | None
-    window_open: bool
-    next_opening: float | None        # now if open; None if the windows never open
-    open_until: float | None          # when the current window closes; None if closed
-
-
-def slot_status(now: float, published_at: float, learned_at: float, node_id: str, role: str,
-                model: str, version: str, policy: Policy) -> SlotStatus:
-    windows = windows_for(policy, role)
-    s = slot(published_at, node_id, role, model, version, policy)
-    start = start_at(published_at, learned_at, node_id, role, model, version, policy)
-    opened = is_open(windows, now)
-    return SlotStatus(
-        slot=s, start=start, seconds_until_slot=max(0.0, s - now),
-        seconds_until_start=None if start is None else max(0.0, start - now),
-        window_open=opened, next_opening=next_opening(windows, now),
-        open_until=(open_until(windows, now) if windows else None) if opened else None)
 
 
 class Spans:

@@ -43,10 +43,6 @@ class FilePlan:
         return sum(p.size for p in self.fetch)
 
     @property
-    def copy_bytes(self) -> int:
-        return sum(c.piece.size for c in self.copies)
-
-    @property
     def done_bytes(self) -> int:
         return sum(p.size for p in self.done)
 
@@ -61,10 +57,6 @@ class PullPlan:
     @property
     def bytes_fetch(self) -> int:
         return sum(f.fetch_bytes for f in self.files)
-
-    @property
-    def bytes_copy(self) -> int:
-        return sum(f.copy_bytes for f in self.files)
 
     @property
     def bytes_done(self) -> int:

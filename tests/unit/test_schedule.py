@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
-import pytest
-
 from agent.policy import parse_policy
 from agent.policy.model import Policy, Role, Waves, Window
 from agent.schedule import (
@@ -17,9 +15,9 @@ from agent.schedule import (
     open_until,
     pull_allowed_at,
     slot,
-    slot_status,
     start_at,
     wave_index,
+    windows_for,
 )
 
 POLICY = parse_policy("""\
@@ -146,16 +144,14 @@ def test_no_windows_is_always_open():
     assert is_open((), PUBLISHED) and next_opening((), PUBLISHED) == PUBLISHED
 
 
-def test_slot_status_values_for_status():
+def test_window_values_for_status():
     now = PUBLISHED + 60
-    st = slot_status(now, PUBLISHED, PUBLISHED, "gpu-7", "training", "m", "v1", POLICY)
-    assert st.seconds_until_slot == pytest.approx(st.slot - now)
-    assert not st.window_open and st.next_opening == ts(2026, 12, 2, 22, 0)
-    assert st.open_until is None and st.start >= st.next_opening
-    night = slot_status(ts(2026, 12, 3, 1, 0), PUBLISHED, PUBLISHED, "gpu-7", "training", "m",
-                        "v1", POLICY)
-    assert night.window_open and night.open_until == ts(2026, 12, 3, 6, 0)
-    assert night.seconds_until_slot == 0
+    windows = windows_for(POLICY, "training")
+    assert not is_open(windows, now) and next_opening(windows, now) == ts(2026, 12, 2, 22, 0)
+    assert start_at(PUBLISHED, PUBLISHED, "gpu-7", "training", "m", "v1", POLICY) \
+        >= ts(2026, 12, 2, 22, 0)
+    night = ts(2026, 12, 3, 1, 0)
+    assert is_open(windows, night) and open_until(windows, night) == ts(2026, 12, 3, 6, 0)
 
 
 def test_cache_spread_stays_inside_the_lead():
