@@ -44,7 +44,7 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float],
                     else p.waves.cache_lead + index * p.waves.gap)
     w = parts.worker.window()
     return replace(
-        base, paused=parts.worker.paused, node=node,
+        base, paused=parts.worker.paused, node=node, jobs=parts.scheduler.jobs(),
         errors=base.errors + ((parts.metrics_error,) if parts.metrics_error else ())
         + parts.worker.errors(),
         shaping=shaping_info(parts), backoff=backoff_info(parts, clock() - monotonic()),

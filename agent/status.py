@@ -156,6 +156,7 @@ class DaemonState:
     version: str
     paused: bool = False
     workers: Mapping[str, bool] = field(default_factory=dict)   # thread name -> alive
+    jobs: Mapping[str, float | None] = field(default_factory=dict)  # scheduler job -> next run
     node: NodeInfo = field(default_factory=NodeInfo)
     policy: PolicyInfo = field(default_factory=PolicyInfo)
     shaping: ShapingInfo = field(default_factory=ShapingInfo)
@@ -201,6 +202,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "pid": s.pid, "version": s.version, "started_at": s.started_at,
             "uptime_s": max(0.0, now - s.started_at), "paused": s.paused,
             "workers": dict(sorted(s.workers.items())),
+            "jobs": [{"id": k, "next_run_at": v} for k, v in sorted(s.jobs.items())],
             "error_counts": dict(sorted(s.error_counts.items())),
         },
         "node": {

@@ -18,7 +18,7 @@ class StandIn:
     """The Application's interface with nothing behind it."""
 
     def __init__(self):
-        self.alive = {"puller": True, "backoff": True}
+        self.alive = {"scheduler": True, "backoff": True}
         self.stopped = False
         self.loads = []
 
@@ -74,14 +74,14 @@ def test_watchdog_stops_when_a_worker_dies():
     try:
         time.sleep(0.3)
         assert sent.count("WATCHDOG=1") >= 3
-        app.alive["puller"] = False
+        app.alive["scheduler"] = False
         time.sleep(0.15)
         n = sent.count("WATCHDOG=1")
         time.sleep(0.4)
         assert sent.count("WATCHDOG=1") == n      # withheld: systemd will restart us
         doc = d.status()
         assert doc["health"] == "degraded"
-        assert "worker thread 'puller' is not running" in doc["problems"]
+        assert "worker thread 'scheduler' is not running" in doc["problems"]
     finally:
         d.request_stop()
         t.join(5)

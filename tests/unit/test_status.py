@@ -27,7 +27,8 @@ NOW = 1_000_000.0
 def busy_state(**over):
     base = dict(
         pid=42, started_at=NOW - 3600, version="0.1.0",
-        workers={"puller": True, "backoff": True, "control": True},
+        workers={"scheduler": True, "backoff": True, "control": True},
+        jobs={"model:llama": NOW + 30, "shaping-verify": NOW + 5, "metrics": None},
         node=NodeInfo(id="gpu-a1", hostname="gpu-a1", role="training", wave_index=2,
                       wave_delay=3600.0),
         policy=PolicyInfo(path="/etc/wagent/policy.yaml", sha256="ab" * 32, loaded_at=NOW - 60),
@@ -41,7 +42,7 @@ def busy_state(**over):
             enabled=True, state="backed_off", reason="NCCL traffic", since=NOW - 20,
             rate_bps=10_000_000, floor_bps=10_000_000, cap_bps=500_000_000,
             events=(BackoffEvent(NOW - 20, "backed_off", "NCCL traffic", 10_000_000),),
-            readings={"link_other_bps": 9.1e8, "rdma_bps": 0.0}),
+            readings={"other_bps": 9.1e8, "rdma_bps": 0.0}),
         pulls=(PullInfo("llama3-70b", "v3", "pulling", bytes_done=41, bytes_total=100,
                         rate_bps=480e6, streams=8, slot_at=NOW - 100, started_at=NOW - 90,
                         local_version="v2"),),
@@ -61,6 +62,9 @@ def test_schema_fields_and_healthy():
                         "policy", "shaping", "backoff", "pulls", "window", "store"}
     assert doc["health"] == "healthy" and exit_code(doc) == EXIT_HEALTHY
     assert doc["daemon"]["uptime_s"] == 3600
+    assert doc["daemon"]["jobs"] == [{"id": "metrics", "next_run_at": None},
+                                     {"id": "model:llama", "next_run_at": NOW + 30},
+                                     {"id": "shaping-verify", "next_run_at": NOW + 5}]
     p = doc["pulls"][0]
     assert p["percent"] == 41.0
     assert p["eta_s"] == 59 * 8 / 480e6
@@ -87,9 +91,9 @@ def test_refused_reload_is_degraded_and_shown():
 
 
 def test_dead_worker_is_degraded():
-    doc = to_json(busy_state(workers={"puller": False, "backoff": True}), NOW)
+    doc = to_json(busy_state(workers={"scheduler": False, "backoff": True}), NOW)
     assert doc["health"] == "degraded"
-    assert doc["problems"] == ["worker thread 'puller' is not running"]
+    assert doc["problems"] == ["worker thread 'scheduler' is not running"]
 
 
 def test_text_covers_every_section():
