@@ -31,12 +31,14 @@ $(VENV)/.stamp: pyproject.toml .deps-stamp
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# The whole suite: lint, unit and integration tests (venv, newest PyPI releases), the tests marked
-# `debian` again under Debian's python3 and packaged libraries, then the Debian package built,
+# The whole suite: lint, unit and integration tests (venv, newest PyPI releases), the unit tests
+# and the integration tests marked `debian` again under Debian's python3 and packaged libraries
+# (APScheduler 3.9.1, prometheus-client 0.16, requests 2.28, ...), then the Debian package built,
 # installed, tested as installed and purged.
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
+	PYTHONPATH=$(CURDIR) /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/unit
 	PYTHONPATH=$(CURDIR) /usr/bin/python3 -m pytest -q -p no:cacheprovider -m debian tests/integration
 	$(MAKE) deb-check
 

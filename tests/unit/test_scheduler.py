@@ -1,7 +1,7 @@
 """The APScheduler glue: late jobs still run (misfire), window openings re-arm, UTC throughout.
 
-Runs with the venv's newest APScheduler 3.x and with Debian 12's 3.9.1:
-    PYTHONPATH=. /usr/bin/python3 -m pytest -p no:cacheprovider tests/unit/test_scheduler.py
+Runs with the venv's newest APScheduler 3.x and with Debian 12's 3.9.1 (`make test` runs the
+unit tests under both: PYTHONPATH=. /usr/bin/python3 -m pytest -p no:cacheprovider tests/unit).
 """
 
 from __future__ import annotations
