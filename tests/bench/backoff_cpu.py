@@ -57,7 +57,7 @@ def run(self):
         result.update(cpu=time.thread_time() - cpu, wall=time.monotonic() - wall,
                       ticks=self.ticks, tick=self.tick_s, events=self.events,
                       by_signal=dict(self.controller.events_by_signal))
-        paced = {n: getattr(self.detectors, f"_{n}") for n in ("ports", "nccl")}
+        paced = {n: getattr(self.detectors, f"{n}_paced") for n in ("ports", "nccl")}
         result["paced"] = {n: {"cost_ms": None if p is None or p.pacer.cost is None
                                else 1000 * p.pacer.cost,
                                "every_s": None if p is None or p.pacer.cost is None
