@@ -28,6 +28,34 @@ class PolicyTooLarge(Exception):
     """The policy expands to more values than any fleet needs (aliases nested on aliases)."""
 
 
+class ComposeError(Exception):
+    """The file is not YAML (or not UTF-8); ``line`` is 1-based, 0 for the file as a whole."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def compose(raw: bytes) -> yaml.Node | None:
+    """The YAML nodes of ``raw`` (every value keeps its line); None for an empty file."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ComposeError(0, f"not UTF-8 text ({e.reason} at byte {e.start})") from e
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        what = " ".join(p for p in (e.context, e.problem) if p)
+        if "'\\t'" in what:
+            what += " (indent with spaces, not tabs)"
+        if e.context_mark and mark and e.context_mark.line != mark.line:
+            what += f" (the construct starts at line {e.context_mark.line + 1})"
+        raise ComposeError(mark.line + 1 if mark else 0, f"YAML syntax error: {what}") from e
+    except yaml.YAMLError as e:
+        raise ComposeError(0, f"YAML error: {e}") from e
+
+
 class Builder:
     """Holds the file name, the issues found and the line of every key path seen."""
 

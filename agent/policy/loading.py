@@ -15,10 +15,8 @@ import hashlib
 import os
 from typing import NamedTuple
 
-import yaml
-
 from agent.policy import rules
-from agent.policy.build import NO_VALUE, Builder, PolicyTooLarge
+from agent.policy.build import NO_VALUE, Builder, ComposeError, PolicyTooLarge, compose
 from agent.policy.model import DEFAULT_WAVES, SCHEMA_VERSION, Policy
 
 
@@ -68,23 +66,9 @@ def parse_policy(data: bytes | str, path: str = "<policy>") -> Policy:
     raw = data.encode() if isinstance(data, str) else data
     digest = hashlib.sha256(raw).hexdigest()
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PolicyError([Issue(path, 0, f"not UTF-8 text ({e.reason} at byte {e.start})")]) \
-            from e
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = mark.line + 1 if mark else 0
-        what = " ".join(p for p in (e.context, e.problem) if p)
-        if "'\\t'" in what:
-            what += " (indent with spaces, not tabs)"
-        if e.context_mark and mark and e.context_mark.line != mark.line:
-            what += f" (the construct starts at line {e.context_mark.line + 1})"
-        raise PolicyError([Issue(path, line, f"YAML syntax error: {what}")]) from e
-    except yaml.YAMLError as e:
-        raise PolicyError([Issue(path, 0, f"YAML error: {e}")]) from e
+        node = compose(raw)
+    except ComposeError as e:
+        raise PolicyError([Issue(path, e.line, str(e))]) from e
     if node is None:
         raise PolicyError([Issue(path, 1, f"the policy is empty; start it with "
                                           f"'version: {SCHEMA_VERSION}'")])
