@@ -142,6 +142,7 @@ class Application:
         except BaseException:
             self.stop(parts, 2.0)
             raise
+        self._announce_held(parts)
         log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
                  parts.identity.hostname, parts.identity.role, parts.identity.role_source)
         return parts
@@ -179,6 +180,7 @@ class Application:
         parts.shaping.reconcile(new)
         parts.policy = new
         parts.identity = self.identify(new)
+        self._announce_held(parts)
         parts.worker.update(new)
         if parts.control is not None:
             self._schedule_housekeeping(parts, parts.control.controller)
@@ -303,6 +305,23 @@ class Application:
                           local_version=local_version, pull=pull,
                           evict=lambda: self._evict(parts), ready=ready,
                           stall_after=stall_after)
+
+    @staticmethod
+    def _announce_held(parts: Parts) -> None:
+        """A cache node names the newest version it holds of each model in ``latest`` at start
+        and on reload, not only after a pull: a ``latest`` lost with the store's files, or
+        naming a version gone since, would send its cluster to the origin until the next one."""
+        if parts.identity.role != parts.policy.cache_role:
+            return
+        for model in parts.policy.models:
+            versions = parts.store.versions(model.name)
+            if not versions:
+                continue
+            try:
+                announce.announce(parts.store.root, model.name, versions[0].version)
+            except OSError as e:
+                log.error("announcing %s %s in %s failed: %s", model.name, versions[0].version,
+                          parts.store.root, e)
 
     def _evict(self, parts: Parts) -> None:
         p = parts.policy

@@ -1,0 +1,37 @@
+"""A cache node's daemon names what it holds in `latest` as it starts, not only after a pull: a
+`latest` lost (or naming a version gone since) must not send its cluster to the origin."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agent.announce import announced
+from agent.store import Store
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_for_socket, write_policy
+from tests.unit.test_announce import put_version
+
+pytestmark = pytest.mark.debian
+
+
+@pytest.mark.parametrize("hostname, expected", [("cache-1", "v2"), ("gpu-1", None)])
+def test_a_cache_node_announces_the_newest_version_it_holds_at_start(tmp_path, hostname,
+                                                                     expected):
+    store = Store(tmp_path / "store")
+    store.ensure()
+    put_version(store, "m", "v1", b"one", "2026-12-01T00:00:00Z")
+    put_version(store, "m", "v2", b"two", "2026-12-02T00:00:00Z")
+    policy = write_policy(tmp_path / "policy.yaml", tmp_path,
+                          roles={"cache": {"hosts": ["cache-*"]}, "training": {"hosts": ["*"]}},
+                          cache_role="cache", models=[{"name": "m"}])
+    proc = start_daemon(policy, "--hostname", hostname, log=tmp_path / "daemon.log")
+    try:
+        wait_for_socket(tmp_path / "control.sock", proc)
+        deadline = time.monotonic() + 5
+        while expected and announced(store.root, "m") != expected \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert announced(store.root, "m") == expected
+    finally:
+        stop_daemon(proc)
