@@ -353,17 +353,36 @@ def version_bytes(requests: list[dict[str, Any]], version: str,
                and (ips is None or r["remote"] in ips))
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One node's start and finish after publication, as planned and as its daemon reported."""
+
+    node: str
+    planned_start: float
+    start: float
+    planned: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        """Of the finish, relative to the measured one."""
+        return abs(self.planned - self.measured) / self.measured
+
+
+def timings(fleet: EmulatedFleet, p: Published, done: dict[str, dict[str, Any]],
+            cold: bool = False) -> list[Timing]:
+    plan = fleet.plan(p, cold)
+    inf = float("inf")
+    return [Timing(n.node, (n.start or inf) - p.published,
+                   done[n.node]["started_at"] - p.published, (n.done or inf) - p.published,
+                   done[n.node]["finished_at"] - p.published) for n in plan.nodes]
+
+
 def accuracy(fleet: EmulatedFleet, p: Published, done: dict[str, dict[str, Any]],
              cold: bool = False) -> list[tuple[str, float, float, float]]:
     """(node, predicted, measured, error) per node: finish times after publication, the
     error relative to the measured one."""
-    plan = fleet.plan(p, cold)
-    rows = []
-    for n in plan.nodes:
-        measured = done[n.node]["finished_at"] - p.published
-        predicted = (n.done or float("inf")) - p.published
-        rows.append((n.node, predicted, measured, abs(predicted - measured) / measured))
-    return rows
+    return [(t.node, t.planned, t.measured, t.error) for t in timings(fleet, p, done, cold)]
 
 
 def link_bound(fleet: EmulatedFleet, p: Published, done: dict[str, dict[str, Any]]

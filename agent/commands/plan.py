@@ -2,10 +2,13 @@
 
 Two ways. With ``--fleet FILE`` (a fleet description: clusters, node counts per role, links,
 cache nodes, the origin's egress; see policies/topology/fleet-topology.example.yaml) and
-``--size``: every node's slot as the daemon computes it, where it fetches from (its cluster's
-cache once the cache holds the version, else the origin), and the links shared fairly, event by
-event. Per wave: the first start, the p50/p99/last finish, what the origin sent and its peak
-rate.
+``--size``: every node's slot as the daemon computes it, when it learns of the version (its
+first poll of ``latest`` after it appeared: half a poll interval later on average, the plan's
+figure, since where in its interval a daemon polls can't be known), where it fetches from (its
+cluster's cache once the cache holds the version, else the origin), and the links shared
+fairly, event by event. Per wave: the first start, the p50/p99/last finish, what the origin sent
+and its peak rate. Roles are the policy's: a role it doesn't know (in ``--roles`` or the fleet
+description) is refused, not planned after the last wave.
 
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB --fetch 3GB   # an update
@@ -35,7 +38,14 @@ from agent.commands import DEFAULT_POLICY
 from agent.fleet.report import fleet_document, format_fleet
 from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import TopologyError, load_topology
-from agent.fleet.waves import WavePlan, default_shares, parse_shares, share_nodes, simulate_waves
+from agent.fleet.waves import (
+    WavePlan,
+    default_shares,
+    parse_shares,
+    share_nodes,
+    simulate_waves,
+    unknown_roles,
+)
 from agent.policy import PolicyError, load_policy
 
 
@@ -89,6 +99,15 @@ def run(args: argparse.Namespace) -> int:
             fetch = units.parse_size(args.fetch) if args.fetch else None
             if fetch is not None and fetch > size:
                 raise ValueError(f"--fetch {args.fetch} is more than --size {args.size}")
+            if args.roles:
+                raise ValueError("--roles goes with --nodes (with --fleet, the fleet "
+                                 "description counts the nodes of each role)")
+            wrong = unknown_roles(policy, sorted({g.role for c in topology.clusters
+                                                  for g in c.nodes}))
+            if wrong:
+                print("\n".join(f"{topology.path}: nodes: {w} (policy {args.policy})"
+                                for w in wrong), file=sys.stderr)
+                return 1
             rollout = Rollout(size, fetch, published.timestamp(), model, args.version,
                               args.cold)
             fleet = simulate_fleet(topology, policy, rollout)
@@ -98,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
             if args.nodes < 1:
                 raise ValueError("--nodes must be at least 1")
             shares = parse_shares(args.roles) if args.roles else default_shares(policy)
+            wrong = unknown_roles(policy, shares)
+            if wrong:
+                raise ValueError("--roles: " + "; ".join(wrong))
             if args.size:
                 sh = policy.shaping
                 rate = policy.pulls.rate or (sh.ceil if sh.enabled else sh.link_rate)

@@ -8,14 +8,20 @@ What each node does is what the daemon does:
   role's windows as ``agent.schedule.pull_allowed_at`` does; a pull that reaches the end of its
   window pauses and resumes at the next opening.
 * **When it learns of the version.** Every node polls ``{source}/{model}/latest`` every
-  ``poll_interval`` (its phase in the interval from a hash of its id). Sources are tried in
-  order, the cluster's cache first: a cache node serves ``latest`` naming a version only once it
-  holds it completely (``agent.announce``), so a node behind a cache learns of the version at its
-  first poll after its cache has it, and starts at ``max(slot, learned)``. Cache nodes poll the
-  origin (they skip sources marked ``cache: true``). A node without a cache learns from the
-  origin. ``cold``: the caches have never announced a version of this model (its first
-  version), so ``latest`` 404s on them and every node learns from the origin, as before caches
-  served ``latest``.
+  ``poll_interval``. Sources are tried in order, the cluster's cache first: a cache node serves
+  ``latest`` naming a version only once it holds it completely (``agent.announce``), so a node
+  behind a cache learns of the version at its first poll after its cache has it. Cache nodes
+  poll the origin (they skip sources marked ``cache: true``), as does a node without a cache.
+  ``cold``: the caches have never announced a version of this model (its first version), so
+  ``latest`` 404s on them and every node learns from the origin. Where in its interval a daemon
+  polls is set by when it started and drifts with every step it takes: nothing the plan can
+  know. So the plan gives every node the expected start over a poll phase uniform in the
+  interval, ``E[max(slot, known + U * poll_interval)]`` (``expected_start``), and reports
+  ``learned`` as ``known + poll_interval / 2``. On the emulated fleet (tests/bench/fleet.py)
+  this is what decides a cache node's finish: its slot is within ``cache_spread`` of the
+  publication, inside its first poll interval. (A phase hashed from the node's id, as this plan
+  did before, put the same node at the same point of every interval, for every version: up to a
+  whole interval wrong, every time.)
 * **Its source**: its cache if the cache holds the version when the pull starts, else the
   origin, for the whole pull (the pull's streams stay with the source that answered).
 * **Its rate**: max-min fair sharing (what TCP flows sharing bottlenecks tend to) of the
@@ -24,18 +30,32 @@ What each node does is what the daemon does:
   ``shaping.ceil``. Link rates are multiplied by the topology's ``efficiency`` (headers).
 
 The simulation is a fluid one, event driven: rates are recomputed at every start, finish, pause
-and resume. It is exact for that model and fast for 100k nodes, because flows that share every
-constraint (same source, same cluster, same cap) get the same rate: they form a class, whose
-flows advance along one shared coordinate, and finish in the order of their thresholds on it.
-The origin's fair share ``lam`` is kept by a water level over the classes: classes limited
-below it by their own cap or cluster link (set A) progress at their own rate, the others (set B)
-at ``lam``, along the integral ``V`` of ``lam``, so a change of ``lam`` costs nothing per class.
-Not simulated: backoff (training traffic), TCP slow start, per-request latency, failures.
+and resume. It is exact for that model and fast for 100k nodes over weeks of windows:
+
+* Flows that share every constraint (same source, same cluster, same cap, same role) get the
+  same rate: they form a class, whose flows advance along one shared coordinate and finish in
+  the order of their thresholds on it (a heap per class).
+* The origin's fair share ``lam`` is a water level over units with fixed thresholds: a class in
+  a cluster whose uplink doesn't bind runs at its cap if that is below ``lam`` (set A), else at
+  ``lam`` (set B, along the integral ``V`` of ``lam``, so a change of ``lam`` costs nothing per
+  class); a cluster whose uplink binds (its own level ``L`` under ``lam``) sends exactly its
+  uplink, its classes at ``min(cap, L)``. The thresholds (caps; ``L`` per cluster) sit in heaps
+  keyed by values that change only on the unit's own events, so a start or a finish costs a few
+  heap operations and the classes of one cluster, never a pass over the fleet.
+* A window that closes pauses every pull of its role at once (one event, one pass over the
+  role's flows); the pulls resume at the next opening in the order of their offsets, as one
+  sorted batch, not one heap entry per node.
+
+Not simulated: backoff (training traffic), failures, and what takes well under a second per pull
+on a datacenter's round trips: reading the manifest, TCP's slow start, publishing the version
+(0.01-0.03 s per pull on the emulated fleet). Nor is how TCP flows that share a queue split it
+over seconds: on the emulated fleet a pull that starts while another already fills the origin's
+queue measures that queue as its base round trip, gets receive windows about four times larger
+and up to 65% of the origin for a while (docs/cache-tier.md, "How much the origin serves").
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 from dataclasses import dataclass
@@ -46,6 +66,7 @@ from agent.policy.model import Policy
 
 INF = math.inf
 HORIZON = 400 * 86400.0        # windows are looked up this far ahead of publication
+EPS = 1e-12                    # relative slack when comparing a threshold with the water level
 
 
 @dataclass(frozen=True)
@@ -126,7 +147,6 @@ class _Node:
     role: str
     frac: float
     slot: float                    # relative to publication
-    phase: float                   # poll phase, seconds into the interval
     cap: float                     # bytes/s
     home: int                      # the cache (index) it fetches from; -1: none
     cache: int                     # this node's own cache index, -1: not a cache node
@@ -138,6 +158,19 @@ def simulate_fleet(topology: Topology, policy: Policy, rollout: Rollout) -> Flee
     sim = _Sim(topology, policy, rollout, nodes, clusters, caches)
     sim.run()
     return sim.result()
+
+
+def expected_start(slot: float, known: float, poll: float) -> float:
+    """``E[max(slot, known + U * poll)]`` for U uniform on [0, 1): when a node that polls every
+    ``poll`` seconds, at a phase nobody knows, starts a version that appeared at ``known``."""
+    if poll <= 0:
+        return max(slot, known)
+    ahead = slot - known
+    if ahead >= poll:
+        return slot
+    if ahead <= 0:
+        return known + poll / 2
+    return known + (poll * poll + ahead * ahead) / (2 * poll)
 
 
 def _nodes(topology: Topology, policy: Policy, rollout: Rollout
@@ -152,16 +185,16 @@ def _nodes(topology: Topology, policy: Policy, rollout: Rollout
         policy_cap = min(policy_cap, policy.shaping.ceil * eff)
     serve_cap = (policy.shaping.ceil * eff if policy.shaping.enabled and policy.shaping.serve_ports
                  else INF)
-    poll = policy.poll_interval
     cache_role = policy.cache_role
     nodes: list[_Node] = []
     clusters: list[tuple[str, float]] = []
     caches: list[tuple[int, float]] = []
+    slot_of = schedule.slot_from_fraction
+    frac_of = schedule.offset_fraction
 
     def add(node_id: str, ci: int, role: str, link: int, home: int, cache: int) -> None:
-        frac = schedule.offset_fraction(node_id, role, rollout.model, rollout.version)
-        slot = schedule.slot_from_fraction(0.0, frac, role, policy)
-        nodes.append(_Node(node_id, ci, role, frac, slot, _phase(node_id) * poll,
+        frac = frac_of(node_id, role, rollout.model, rollout.version)
+        nodes.append(_Node(node_id, ci, role, frac, slot_of(0.0, frac, role, policy),
                            min(link * eff, policy_cap), home, cache))
 
     for ci, (name, c) in enumerate(topology.expanded()):
@@ -185,36 +218,51 @@ def _nodes(topology: Topology, policy: Policy, rollout: Rollout
     return nodes, clusters, caches
 
 
-def _phase(node_id: str) -> float:
-    """Where in the poll interval this node polls: the daemons start at unrelated times."""
-    digest = hashlib.sha256(f"{node_id}|poll".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+# Where an origin class stands in the origin's water level.
+OUT, AT_CAP, AT_LAM, SAT = 0, 1, 2, 3
 
 
 class _Class:
     """Flows that share every constraint, hence a rate. Progress along a coordinate S: a flow
-    joining at S0 with R bytes left finishes when S reaches S0 + R. In own mode S = u*t - off;
-    in mode B (held at the origin's level) S = V - off."""
+    joining at S0 with R bytes left finishes when S reaches S0 + R. At an own rate u,
+    S = u*t - off; at the origin's level (``b``), S = V - off."""
 
     __slots__ = ("id", "origin", "group", "cap", "role", "heap", "n", "u", "b", "off", "pgen",
-                 "pred", "wgen", "wn", "wu", "in_wf")
+                 "pred", "state", "wn", "wr", "wgen")
 
     def __init__(self, cid: int, origin: bool, group: int, cap: float, role: int) -> None:
         self.id, self.origin, self.group, self.cap, self.role = cid, origin, group, cap, role
         self.heap: list[tuple[float, int, int]] = []      # (threshold, node, flow generation)
-        self.n = 0
-        self.u = 1.0               # own rate limit (cap, cluster or cache share)
-        self.b = False             # in set B: progresses at the origin's level lam
+        self.n = 0                 # live flows
+        self.u = 1.0               # own rate (when not b)
+        self.b = False             # progresses at the origin's level lam
         self.off = 0.0
         self.pgen = 0              # generation of its finish prediction
         self.pred: tuple[bool, float] | None = None     # the prediction in the heaps
-        self.wgen = 0              # generation of its entry in the origin's water level
-        self.wn, self.wu, self.in_wf = 0, 0.0, False
+        # the origin's sums: where it stands, the flows and the per-flow rate counted there
+        self.state = OUT
+        self.wn = 0
+        self.wr = 0.0
+        self.wgen = 0              # generation of its entries in the water level's heaps
+
+
+class _Batch:
+    """Starts known in advance, sorted by time: a window's resumes, or the first starts."""
+
+    __slots__ = ("times", "nodes", "pos")
+
+    def __init__(self, items: list[tuple[float, int]]) -> None:
+        items.sort()
+        self.times = [t for t, _ in items]
+        self.nodes = [i for _, i in items]
+        self.pos = 0
 
 
 class _Sim:
     """The event loop and its state: private, filled by ``simulate_fleet`` and read back by
     ``result``. Times are seconds after publication; rates bytes per second."""
+
+    START, PAUSE, BATCH = 0, 1, 2
 
     def __init__(self, topology: Topology, policy: Policy, rollout: Rollout,
                  nodes: list[_Node], clusters: list[tuple[str, float]],
@@ -226,13 +274,14 @@ class _Sim:
                             key=lambda r: (-1 if schedule.wave_index(policy, r) is None
                                            else schedule.wave_index(policy, r), r))
         self.role_index = {r: i for i, r in enumerate(self.roles)}
-        self.spans: dict[str, schedule.Spans | None] = {}
+        self.spans: list[schedule.Spans | None] = []
         pub = rollout.published
         for r in self.roles:
             windows = schedule.windows_for(policy, r)
-            self.spans[r] = (schedule.Spans.build(windows, pub, pub + HORIZON) if windows
-                             else None)
+            self.spans.append(schedule.Spans.build(windows, pub, pub + HORIZON) if windows
+                              else None)
         count = len(nodes)
+        self.nrole = [self.role_index[n.role] for n in nodes]
         self.learned: list[float | None] = [None] * count
         self.start: list[float | None] = [None] * count
         self.done: list[float | None] = [None] * count
@@ -240,7 +289,8 @@ class _Sim:
         self.obytes = [0.0] * count
         self.left = [float(rollout.per_node)] * count  # bytes still to fetch
         self.fgen = [0] * count
-        self.fcls: list[_Class | None] = [None] * count
+        self.fcls: list[_Class | None] = [None] * count   # the class it flows in now
+        self.home_cls: list[_Class | None] = [None] * count  # its class, once its source is
         self.fthr = [0.0] * count
         self.fjoin = [0.0] * count                     # bytes left when the flow joined
         self.cache_done: list[float | None] = [None] * len(caches)
@@ -252,105 +302,133 @@ class _Sim:
         self.by_key: dict[tuple[bool, int, float, int], _Class] = {}
         self.cluster_classes: list[list[_Class]] = [[] for _ in clusters]
         self.cache_classes: list[list[_Class]] = [[] for _ in caches]
-        # the origin's water level
+        self.role_classes: list[list[_Class]] = [[] for _ in self.roles]
+        # the origin's water level: lam = (egress - fixed) / at_lam
         self.lam = INF
         self.V = 0.0
         self.t = 0.0
-        self.sa = 0.0                                  # sum n*u over set A
-        self.nb = 0                                    # flows in set B
-        self.sa_w = [0.0] * len(self.roles)
-        self.nb_w = [0] * len(self.roles)
-        self.a_heap: list[tuple[float, int, int]] = []  # (-u, class, wgen): A's largest u
-        self.b_heap: list[tuple[float, int, int]] = []  # (u, class, wgen): B's smallest u
+        self.fixed = 0.0               # bytes/s of the flows not at lam (own caps, bound clusters)
+        self.nfixed = 0                # how many such flows
+        self.at_lam = 0                # flows at lam
+        self.fixed_w = [0.0] * len(self.roles)
+        self.at_lam_w = [0] * len(self.roles)
+        self.a_heap: list[tuple[float, int, int]] = []   # (-cap, class, wgen): at cap, largest
+        self.b_heap: list[tuple[float, int, int]] = []   # (cap, class, wgen): at lam, smallest
+        # clusters: uplink, flows, sum of their caps, whether the uplink binds, its level
+        self.uplink = [u for _, u in clusters]
+        self.cn = [0] * len(clusters)
+        self.cdemand = [0.0] * len(clusters)
+        self.csat = [False] * len(clusters)
+        self.clevel = [INF] * len(clusters)
+        self.cgen = [0] * len(clusters)
+        self.free_heap: list[tuple[float, int, int]] = []   # (level, cluster, cgen): not bound
+        self.sat_heap: list[tuple[float, int, int]] = []    # (-level, cluster, cgen): bound
+        self.origin_moved = False
+        self.stale_levels: set[int] = set()     # clusters whose level the fast path left
         self.ht: list[tuple[float, int, int]] = []      # (finish time, class, pgen)
         self.hv: list[tuple[float, int, int]] = []      # (finish level V, class, pgen)
-        self.events: list[tuple[float, int, int, int, int]] = []  # time seq kind node gen
+        self.events: list[tuple[float, int, int, int]] = []   # (time, seq, kind, arg)
         self.seq = 0
+        self.batches: list[_Batch] = []
+        self.pauses: set[tuple[int, float]] = set()    # (role, window end) already pending
+        self.open_span: list[tuple[float, float] | None] = [None] * len(self.roles)
+        self.armed: list[tuple[float, float] | None] = [None] * len(self.roles)  # its pause due
         self.peak = 0.0
         self.peak_at: float | None = None
         self.peak_w = [0.0] * len(self.roles)
-        self.measure = False           # the origin's rates changed since last measured
-        # classes changed at the current instant, by group; None: recompute at once
-        self.dirty: dict[tuple[bool, int], list[_Class]] | None = None
+        self.dirty: dict[tuple[bool, int], list[_Class]] = {}
 
     # -- events -------------------------------------------------------------------------------
-    START, PAUSE = 0, 1
-
-    def push(self, t: float, kind: int, node: int, gen: int = 0) -> None:
+    def push(self, t: float, kind: int, arg: int) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, node, gen))
+        heapq.heappush(self.events, (t, self.seq, kind, arg))
+
+    def push_batch(self, items: list[tuple[float, int]]) -> None:
+        if items:
+            b = _Batch(items)
+            self.batches.append(b)
+            self.push(b.times[0], self.BATCH, len(self.batches) - 1)
 
     def run(self) -> None:
-        poll = self.policy.poll_interval
+        firsts: list[tuple[float, int]] = []
         for i, n in enumerate(self.nodes):
             if n.home >= 0 and not self.rollout.cold:
                 continue          # learns from its cache's `latest` once the cache has it
-            self._schedule(i, self._next_poll(n, 0.0) if poll > 0 else 0.0)
-        # The starts known up front, sorted once: cheaper than a heap of 100k entries. Events
-        # made on the way (starts after a cache fills, pauses, resumes) go to the heap.
-        initial, self.events = sorted(self.events), []
-        at = 0
+            start = self._schedule(i, 0.0)
+            if start is not None:
+                firsts.append((start, i))
+        self.push_batch(firsts)
+        events, classes = self.events, self.classes
+        ht, hv = self.ht, self.hv
         while True:
-            te = self.events[0][0] if self.events else INF
-            if at < len(initial) and initial[at][0] <= te:
-                te = initial[at][0]
-            ht, hv = self.ht, self.hv
-            classes = self.classes
+            te = events[0][0] if events else INF
             while ht and classes[ht[0][1]].pgen != ht[0][2]:
                 heapq.heappop(ht)
             th = ht[0][0] if ht else INF
             while hv and classes[hv[0][1]].pgen != hv[0][2]:
                 heapq.heappop(hv)
             tv = INF
-            if hv and self.lam < INF and self.lam > 0:
+            if hv and 0 < self.lam < INF:
                 tv = self.t + max(0.0, hv[0][0] - self.V) / self.lam
             tn = min(te, th, tv)
             if tn == INF:
                 return
-            self._advance(max(tn, self.t))
-            self.dirty = {}
-            if tn == te and te < th and te < tv:    # on a tie, flows finish first
+            if tn > self.t:
+                if self.at_lam and self.lam < INF:
+                    self.V += self.lam * (tn - self.t)
+                self.t = tn
+            if te < th and te < tv:            # on a tie, flows finish first
+                top = events[0]
+                # (the next event after the top is the earlier of the heap's entries 1 and 2)
+                if top[2] == self.BATCH and (len(events) < 2 or events[1][0] > tn) \
+                        and (len(events) < 3 or events[2][0] > tn):
+                    b = self.batches[top[3]]
+                    pos = b.pos
+                    if (pos + 1 == len(b.times) or b.times[pos + 1] > tn) \
+                            and self._join_at_lam(b.nodes[pos]):
+                        # A lone resume into a class already at the origin's level: the
+                        # level moves, nothing else does (most of a window's resumes).
+                        b.pos = pos + 1
+                        if pos + 1 < len(b.times):
+                            heapq.heapreplace(events, (b.times[pos + 1], top[1], self.BATCH,
+                                                       top[3]))
+                        else:
+                            heapq.heappop(events)
+                        continue
                 # Every start and pause at this instant, then the rates once: a window that
-                # closes pauses thousands of pulls at the same second.
-                while True:
-                    if at < len(initial) and initial[at][0] == tn:
-                        _, _, kind, node, gen = initial[at]
-                        at += 1
-                    elif self.events and self.events[0][0] == tn:
-                        _, _, kind, node, gen = heapq.heappop(self.events)
+                # opens or closes moves thousands of pulls at the same second.
+                while events and events[0][0] == tn:
+                    _, _, kind, arg = heapq.heappop(events)
+                    if kind == self.BATCH:
+                        b = self.batches[arg]
+                        times, pos = b.times, b.pos
+                        while pos < len(times) and times[pos] == tn:
+                            self._begin(b.nodes[pos])
+                            pos += 1
+                        b.pos = pos
+                        if pos < len(times):
+                            self.push(times[pos], self.BATCH, arg)
+                    elif kind == self.START:
+                        self._begin(arg)
                     else:
-                        break
-                    if kind == self.START:
-                        self._begin(node)
-                    else:
-                        self._pause(node, gen)
+                        self._pause_role(arg)
             else:
                 c = classes[heapq.heappop(ht if tn == th else hv)[1]]
                 c.pred = None                 # consumed: the next one is pushed anew
                 self._finish(c)
-            dirty, self.dirty = self.dirty, None
-            self._flush(dirty)
-            if self.measure:
-                self._measure()
+            self._flush()
 
-    def _next_poll(self, n: _Node, t: float) -> float:
-        """The node's first poll at or after ``t``."""
-        poll = self.policy.poll_interval
-        if poll <= 0:
-            return t
-        k = math.ceil((t - n.phase) / poll)
-        return n.phase + max(k, 0) * poll
-
-    def _schedule(self, i: int, learned: float) -> None:
+    def _schedule(self, i: int, known: float) -> float | None:
+        """The node learns of the version at its first poll after ``known``: its expected start,
+        in its role's windows; None if they never open."""
         n = self.nodes[i]
-        self.learned[i] = learned
-        start = self._allowed(n, max(n.slot, learned))
-        if start is not None:
-            self.push(start, self.START, i)
+        poll = self.policy.poll_interval
+        self.learned[i] = known + max(poll, 0.0) / 2
+        return self._allowed(n, expected_start(n.slot, known, poll))
 
     def _allowed(self, n: _Node, due: float) -> float | None:
         """``schedule.pull_allowed_at``, on the role's precomputed spans."""
-        spans = self.spans[n.role]
+        spans = self.spans[self.role_index[n.role]]
         if spans is None:
             return due
         pub = self.rollout.published
@@ -361,64 +439,126 @@ class _Sim:
             return due
         return span[0] - pub + n.frac * min(self.policy.waves.spread, span[1] - span[0])
 
-    def _advance(self, t: float) -> None:
-        dt = t - self.t
-        if dt > 0 and self.nb and self.lam < INF:
-            self.V += self.lam * dt
-        self.t = t
-
     def _measure(self) -> None:
-        self.measure = False
-        lam = self.lam if self.nb else 0.0
-        total = self.sa + lam * self.nb
+        lam = self.lam if self.at_lam else 0.0
+        total = self.fixed + lam * self.at_lam
         if total > self.peak * (1 + 1e-12):
             self.peak, self.peak_at = total, self.t
-        for w in range(len(self.roles)):
-            r = self.sa_w[w] + lam * self.nb_w[w]
-            if r > self.peak_w[w]:
-                self.peak_w[w] = r
+        peak_w, fixed_w, at_lam_w = self.peak_w, self.fixed_w, self.at_lam_w
+        for w in range(len(peak_w)):
+            r = fixed_w[w] + lam * at_lam_w[w]
+            if r > peak_w[w]:
+                peak_w[w] = r
 
     # -- flows --------------------------------------------------------------------------------
     def _begin(self, i: int) -> None:
         """Node i starts, or resumes after a window closed."""
-        n = self.nodes[i]
         t = self.t
-        if self.start[i] is None:
+        c = self.home_cls[i]
+        if c is None:
+            n = self.nodes[i]
             self.start[i] = t
             k = n.home
-            self.source[i] = k if k >= 0 and self.cache_done[k] is not None \
-                and self.cache_done[k] <= t else -1
-        if self.left[i] <= 0:
+            cached = k >= 0 and self.cache_done[k] is not None and self.cache_done[k] <= t
+            self.source[i] = k if cached else -1
+            origin = not cached
+            key = (origin, n.cluster if origin else k, n.cap, self.nrole[i])
+            c = self.by_key.get(key)
+            if c is None:
+                c = _Class(len(self.classes), origin, key[1], n.cap, key[3])
+                self.classes.append(c)
+                self.by_key[key] = c
+                (self.cluster_classes if origin else self.cache_classes)[key[1]].append(c)
+                self.role_classes[key[3]].append(c)
+            self.home_cls[i] = c
+        left = self.left[i]
+        if left <= 0:
             self._done(i)
             return
-        src = self.source[i]
-        origin = src < 0
-        group = n.cluster if origin else src
-        key = (origin, group, n.cap, self.role_index[n.role])
-        c = self.by_key.get(key)
-        if c is None:
-            c = _Class(len(self.classes), origin, group, n.cap, key[3])
-            self.classes.append(c)
-            self.by_key[key] = c
-            (self.cluster_classes if origin else self.cache_classes)[group].append(c)
-        s = self._progress(c)
-        self.fgen[i] += 1
+        thr = self._progress(c) + left
+        gen = self.fgen[i] = self.fgen[i] + 1
         self.fcls[i] = c
-        self.fthr[i] = s + self.left[i]
-        self.fjoin[i] = self.left[i]
-        heapq.heappush(c.heap, (self.fthr[i], i, self.fgen[i]))
+        self.fthr[i] = thr
+        self.fjoin[i] = left
+        heapq.heappush(c.heap, (thr, i, gen))
         c.n += 1
         self._changed(c)
-        spans = self.spans[n.role]
-        if spans is not None:
-            span = spans.span_at(self.rollout.published + t)
-            if span is not None:
-                self.push(span[1] - self.rollout.published, self.PAUSE, i, self.fgen[i])
+        if self.spans[c.role] is not None:
+            self._arm_pause(c.role)
+
+    def _arm_pause(self, w: int) -> None:
+        """A pull of role w runs now: the closing of its window is an event (once)."""
+        spans = self.spans[w]
+        assert spans is not None
+        now = self.rollout.published + self.t
+        span = self.open_span[w]
+        if span is None or not span[0] <= now < span[1]:
+            span = self.open_span[w] = spans.span_at(now)
+        if span is not None:
+            end = span[1] - self.rollout.published
+            if (w, end) not in self.pauses:
+                self.pauses.add((w, end))
+                self.push(end, self.PAUSE, w)
+            self.armed[w] = span
+
+    def _join_at_lam(self, i: int) -> bool:
+        """Node i resumes into its class, which runs at the origin's level in a cluster whose
+        uplink doesn't bind, and stays so with one more flow: only the level's sums move (and
+        the cluster's own level, recomputed lazily). False, having changed nothing, if any of
+        that doesn't hold: then the general path runs."""
+        c = self.home_cls[i]
+        if c is None or c.state != AT_LAM or c.n != c.wn or self.left[i] <= 0:
+            return False
+        g = c.group
+        if self.csat[g]:
+            return False
+        at_lam = self.at_lam + 1
+        lam = (self.origin_rate - self.fixed) / at_lam
+        if (self.cn[g] + 1) * lam > self.uplink[g] * (1 - EPS):
+            return False                     # the uplink might bind: worked out in full
+        a_heap, classes = self.a_heap, self.classes
+        while a_heap and (classes[a_heap[0][1]].state != AT_CAP
+                          or classes[a_heap[0][1]].wgen != a_heap[0][2]):
+            heapq.heappop(a_heap)
+        if a_heap and -a_heap[0][0] > lam * (1 + EPS):
+            return False                     # a capped class comes down to the level
+        sat_heap, csat, cgen = self.sat_heap, self.csat, self.cgen
+        while sat_heap and (not csat[sat_heap[0][1]] or cgen[sat_heap[0][1]] != sat_heap[0][2]):
+            heapq.heappop(sat_heap)
+        if sat_heap and -sat_heap[0][0] > lam * (1 + EPS):
+            return False                     # a cluster's uplink stops binding
+        left = self.left[i]
+        thr = self.V - c.off + left
+        gen = self.fgen[i] = self.fgen[i] + 1
+        self.fcls[i] = c
+        self.fthr[i] = thr
+        self.fjoin[i] = left
+        heapq.heappush(c.heap, (thr, i, gen))
+        c.n += 1
+        c.wn += 1
+        self.at_lam, self.lam = at_lam, lam
+        w = c.role
+        self.at_lam_w[w] += 1
+        self.cn[g] += 1
+        self.cdemand[g] += c.cap
+        self.stale_levels.add(g)
+        # The origin stays full (fixed + lam * at_lam = egress); only this role's share grew.
+        r = self.fixed_w[w] + lam * self.at_lam_w[w]
+        if r > self.peak_w[w]:
+            self.peak_w[w] = r
+        if c.pred is None or thr + c.off < c.pred[1]:
+            self._predict(c)
+        if self.spans[w] is not None:
+            armed = self.armed[w]
+            if armed is None or not armed[0] <= self.rollout.published + self.t < armed[1]:
+                self._arm_pause(w)
+        return True
 
     def _finish(self, c: _Class) -> None:
+        fgen = self.fgen
         while c.heap:
             thr, i, gen = heapq.heappop(c.heap)
-            if self.fgen[i] == gen:
+            if fgen[i] == gen:
                 break
         else:
             return
@@ -426,18 +566,22 @@ class _Sim:
         # flows that joined together with as much to fetch finish together: one event
         while c.heap and c.heap[0][0] == thr:
             _, j, gen = heapq.heappop(c.heap)
-            if self.fgen[j] == gen:
+            if fgen[j] == gen:
                 finished.append(j)
         for i in finished:
-            self.fgen[i] += 1
-            c.n -= 1
-            if c.origin:
-                self.obytes[i] += self.fjoin[i]
-            self.left[i] = 0.0
-            self.fcls[i] = None
+            self._end_flow(i, c, 0.0)
+        c.n -= len(finished)
         self._changed(c)
         for i in finished:
             self._done(i)
+
+    def _end_flow(self, i: int, c: _Class, left: float) -> None:
+        """Flow i leaves class c with ``left`` bytes still to fetch (the caller counts c.n)."""
+        if c.origin:
+            self.obytes[i] += self.fjoin[i] - left
+        self.left[i] = left
+        self.fgen[i] += 1
+        self.fcls[i] = None
 
     def _done(self, i: int) -> None:
         self.done[i] = self.t
@@ -446,31 +590,46 @@ class _Sim:
             self.cache_done[k] = self.t
             if not self.rollout.cold:
                 for j in self.homed[k]:
-                    self._schedule(j, self._next_poll(self.nodes[j], self.t))
+                    start = self._schedule(j, self.t)
+                    if start is not None:
+                        self.push(start, self.START, j)
 
-    def _pause(self, i: int, gen: int) -> None:
-        if self.fgen[i] != gen:
-            return                                     # finished before its window closed
-        c = self.fcls[i]
-        assert c is not None
-        left = max(0.0, self.fthr[i] - self._progress(c))
-        if left <= 1e-9 * self.rollout.per_node:
-            return          # done as the window closes: rounding, its finish is due now
-        if c.origin:
-            self.obytes[i] += self.fjoin[i] - left
-        self.left[i] = left
-        self.fgen[i] += 1
-        self.fcls[i] = None
-        c.n -= 1
-        self._changed(c)
-        n = self.nodes[i]
-        spans = self.spans[n.role]
+    def _pause_role(self, w: int) -> None:
+        """The role's window closes: every pull of the role pauses, to resume at the next
+        opening plus its own share of the spread (``schedule.pull_allowed_at``)."""
+        pub, t = self.rollout.published, self.t
+        eps = 1e-9 * self.rollout.per_node
+        paused: list[int] = []
+        finished: list[int] = []
+        for c in self.role_classes[w]:
+            if not c.n:
+                continue
+            s = self._progress(c)
+            fgen = self.fgen
+            for thr, i, gen in c.heap:
+                if fgen[i] != gen:
+                    continue
+                left = thr - s
+                if left <= eps:      # done as the window closes (rounding): done now
+                    self._end_flow(i, c, 0.0)
+                    finished.append(i)
+                else:
+                    self._end_flow(i, c, left)
+                    paused.append(i)
+            c.heap = []
+            c.n = 0
+            self._changed(c)
+        for i in finished:
+            self._done(i)
+        spans = self.spans[w]
         assert spans is not None
-        end = self.rollout.published + self.t
-        span = spans.next_open(end + 1e-6)
-        if span is not None:       # resumes as schedule.pull_allowed_at says
-            resume = span[0] + n.frac * min(self.policy.waves.spread, span[1] - span[0])
-            self.push(resume - self.rollout.published, self.START, i)
+        span = spans.next_open(pub + t + 1e-6)
+        if span is None or not paused:
+            return
+        spread = min(self.policy.waves.spread, span[1] - span[0])
+        base = span[0] - pub
+        nodes = self.nodes
+        self.push_batch([(base + nodes[i].frac * spread, i) for i in paused])
 
     # -- rates --------------------------------------------------------------------------------
     def _progress(self, c: _Class) -> float:
@@ -478,7 +637,7 @@ class _Sim:
 
     def _retune(self, c: _Class, b: bool, u: float) -> None:
         """Change a class's mode or own rate, its coordinate continuous. Its finish prediction
-        holds while neither changes (in B it is a level of V, which lam doesn't move)."""
+        holds while neither changes (at lam it is a level of V, which lam doesn't move)."""
         if b == c.b and (b or u == c.u):
             c.u = u
             return
@@ -488,7 +647,7 @@ class _Sim:
         self._predict(c)
 
     def _predict(self, c: _Class) -> None:
-        """When the class's first flow finishes: a time (own rate) or a level of V (in B).
+        """When the class's first flow finishes: a time (own rate) or a level of V (at lam).
         A prediction that hasn't changed stays in its heap: most events change few."""
         heap, fgen = c.heap, self.fgen
         while heap and fgen[heap[0][1]] != heap[0][2]:
@@ -511,118 +670,222 @@ class _Sim:
             heap[:] = live
 
     def _changed(self, c: _Class) -> None:
-        """A class gained or lost a flow: noted, and its rates recomputed once the events of
-        this instant are all in (``_flush``)."""
-        if self.dirty is not None:
-            self.dirty.setdefault((c.origin, c.group), []).append(c)
-        else:
-            self._flush({(c.origin, c.group): [c]})
+        """A class gained or lost flows: its rates are recomputed once the events of this
+        instant are all in (``_flush``)."""
+        key = (c.origin, c.group)
+        group = self.dirty.get(key)
+        if group is None:
+            self.dirty[key] = [c]
+        elif group[-1] is not c:
+            group.append(c)
 
-    def _flush(self, dirty: dict[tuple[bool, int], list[_Class]]) -> None:
-        for classes in dirty.values():
-            self._regroup(classes[0])
-            for c in classes[1:]:
-                self._predict(c)
-
-    def _regroup(self, c: _Class) -> None:
-        """A class's group (its cluster's origin classes, or a cache's): its shares, then the
-        origin's level."""
-        if not c.origin:
-            level = _level(self.cache_classes[c.group], self.caches[c.group][1])
-            for x in self.cache_classes[c.group]:
-                if x.n:
-                    self._retune(x, False, min(x.cap, level))
-            self._predict(c)
-            return
-        level = _level(self.cluster_classes[c.group], self.clusters[c.group][1])
-        moved = False
-        for x in self.cluster_classes[c.group]:
-            u = min(x.cap, level)
-            if x.in_wf and x.n == x.wn and u == x.wu:
-                continue
-            moved = moved or x.in_wf or x.n > 0
-            self._wf_remove(x)
-            if x.n:
-                self._wf_add(x, u)
-        if moved:
+    def _flush(self) -> None:
+        if self.stale_levels:
+            # Clusters whose flows joined by the fast path: their levels, before anything
+            # compares them with lam.
+            for g in self.stale_levels:
+                level = self._cluster_level(g)
+                if level != self.clevel[g]:
+                    self.clevel[g] = level
+                    self.cgen[g] += 1
+                    if level < INF:
+                        heapq.heappush(self.free_heap, (level, g, self.cgen[g]))
+            self.stale_levels.clear()
+        dirty, self.dirty = self.dirty, {}
+        for (origin, g), changed in dirty.items():
+            if origin:
+                self._origin_cluster(g, changed)
+            else:
+                self._cache_group(g)
+        if self.origin_moved:
+            self.origin_moved = False
             self._rebalance()
-            self.measure = True
-        self._predict(c)            # its first flow may have changed
+            self._measure()
+        for changed in dirty.values():
+            for c in changed:
+                self._predict(c)     # its first flow may have changed
 
-    def _wf_remove(self, x: _Class) -> None:
-        if not x.in_wf:
+    def _cache_group(self, k: int) -> None:
+        """The shares of cache k's egress among its classes (no tie to the origin's)."""
+        level = _level(self.cache_classes[k], self.caches[k][1])
+        for x in self.cache_classes[k]:
+            if x.n:
+                self._retune(x, False, min(x.cap, level))
+
+    def _origin_cluster(self, g: int, changed: list[_Class]) -> None:
+        """Classes of cluster g that fetch from the origin gained or lost flows: the sums of the
+        origin's water level and the cluster's own level follow. The level ``lam`` itself is
+        settled once for the instant (``_rebalance``)."""
+        self.origin_moved = True
+        pending = []
+        for c in changed:
+            d = c.n - c.wn
+            if not d:
+                continue
+            self.cn[g] += d
+            self.cdemand[g] += d * c.cap
+            if not c.n:
+                self._unplace(c)
+            elif c.state == OUT:
+                c.wn = c.n                 # counted once, should it change again this instant
+                pending.append(c)
+            elif c.state == AT_LAM:        # a count, not a threshold: its heap entry holds
+                self.at_lam += d
+                self.at_lam_w[c.role] += d
+                c.wn = c.n
+            else:                          # AT_CAP or SAT: fixed rates
+                self.fixed += d * c.wr
+                self.fixed_w[c.role] += d * c.wr
+                self.nfixed += d
+                c.wn = c.n
+        if not self.cn[g]:
+            self.cdemand[g] = 0.0          # no drift carried into the cluster's next flows
+        level = self._cluster_level(g)
+        if level != self.clevel[g]:
+            self.clevel[g] = level
+            self.cgen[g] += 1
+            if self.csat[g]:
+                heapq.heappush(self.sat_heap, (-level, g, self.cgen[g]))
+                for x in self.cluster_classes[g]:
+                    if x.state == SAT:
+                        r = min(x.cap, level)
+                        if r != x.wr:
+                            self.fixed += x.wn * (r - x.wr)
+                            self.fixed_w[x.role] += x.wn * (r - x.wr)
+                            x.wr = r
+                            self._retune(x, False, r)
+            elif level < INF:
+                heapq.heappush(self.free_heap, (level, g, self.cgen[g]))
+        for c in pending:
+            self._place(c, self.lam)
+
+    def _cluster_level(self, g: int) -> float:
+        """The fair share of cluster g's uplink among its origin flows, with their caps; INF
+        when the caps alone keep under it."""
+        up = self.uplink[g]
+        if up == INF or self.cdemand[g] <= up * (1 + EPS):
+            return INF
+        return _level(self.cluster_classes[g], up)
+
+    def _place(self, c: _Class, lam: float) -> None:
+        """Count an origin class with flows into the water level: at its cluster's level if the
+        uplink binds, at its cap if that is under lam, else at lam."""
+        c.wn = c.n
+        c.wgen += 1
+        w = c.role
+        if self.csat[c.group]:
+            c.state = SAT
+            c.wr = min(c.cap, self.clevel[c.group])
+        elif c.cap <= lam:
+            c.state = AT_CAP
+            c.wr = c.cap
+            heapq.heappush(self.a_heap, (-c.cap, c.id, c.wgen))
+        else:
+            c.state = AT_LAM
+            self.at_lam += c.n
+            self.at_lam_w[w] += c.n
+            heapq.heappush(self.b_heap, (c.cap, c.id, c.wgen))
+            self._retune(c, True, c.cap)
             return
-        if x.b:
-            self.nb -= x.wn
-            self.nb_w[x.role] -= x.wn
-        else:
-            self.sa -= x.wn * x.wu
-            self.sa_w[x.role] -= x.wn * x.wu
-        x.in_wf = False
-        x.wgen += 1
+        self.fixed += c.n * c.wr
+        self.fixed_w[w] += c.n * c.wr
+        self.nfixed += c.n
+        self._retune(c, False, c.wr)
 
-    def _wf_add(self, x: _Class, u: float) -> None:
-        x.in_wf, x.wn, x.wu = True, x.n, u
-        x.wgen += 1
-        if u <= self.lam:
-            self._retune(x, False, u)
-            self.sa += x.n * u
-            self.sa_w[x.role] += x.n * u
-            heapq.heappush(self.a_heap, (-u, x.id, x.wgen))
-        else:
-            self._retune(x, True, u)
-            self.nb += x.n
-            self.nb_w[x.role] += x.n
-            heapq.heappush(self.b_heap, (u, x.id, x.wgen))
+    def _unplace(self, c: _Class) -> None:
+        if c.state == AT_LAM:
+            self.at_lam -= c.wn
+            self.at_lam_w[c.role] -= c.wn
+        elif c.state != OUT:
+            self.fixed -= c.wn * c.wr
+            self.fixed_w[c.role] -= c.wn * c.wr
+            self.nfixed -= c.wn
+            if not self.nfixed:            # no drift left behind by the additions
+                self.fixed = 0.0
+                self.fixed_w = [0.0] * len(self.fixed_w)
+        c.state = OUT
+        c.wn = 0
+        c.wgen += 1
+
+    def _bind(self, g: int, lam: float) -> None:
+        """Cluster g's uplink binds (its level fell under lam): its classes run at
+        min(cap, level) and the cluster takes exactly its uplink from the origin."""
+        self.csat[g] = True
+        self.cgen[g] += 1
+        heapq.heappush(self.sat_heap, (-self.clevel[g], g, self.cgen[g]))
+        for x in self.cluster_classes[g]:
+            if x.state != OUT:
+                self._unplace(x)
+                self._place(x, lam)
+
+    def _unbind(self, g: int, lam: float) -> None:
+        self.csat[g] = False
+        self.cgen[g] += 1
+        heapq.heappush(self.free_heap, (self.clevel[g], g, self.cgen[g]))
+        for x in self.cluster_classes[g]:
+            if x.state != OUT:
+                self._unplace(x)
+                self._place(x, lam)
 
     def _rebalance(self) -> None:
-        """The origin's level lam: sum over origin classes of n * min(u, lam) = egress.
+        """The origin's level lam: fixed + lam * at_lam = egress, every unit consistent with it.
 
-        Classes move between A (own rate u <= lam) and B (rate lam) until both sides agree;
-        each move is O(log classes) and a change of one class moves few."""
-        classes, a_heap, b_heap, cap = self.classes, self.a_heap, self.b_heap, self.origin_rate
-        for _ in range(4 * len(classes) + 8):
-            while a_heap and (not classes[a_heap[0][1]].in_wf or classes[a_heap[0][1]].b
+        Each unit has a threshold: a class its cap (at lam above it, at its cap under it), a
+        cluster its uplink's level (bound under lam). A unit on the wrong side moves; each move
+        raises lam towards the fixed point and never past it (every assignment's demand is at
+        least the true one at any level), so it ends, after a few moves per changed unit."""
+        classes, cap = self.classes, self.origin_rate
+        a_heap, b_heap, free_heap, sat_heap = self.a_heap, self.b_heap, self.free_heap, \
+            self.sat_heap
+        csat, cgen = self.csat, self.cgen
+        for _ in range(4 * (len(classes) + len(self.uplink)) + 8):
+            while a_heap and (classes[a_heap[0][1]].state != AT_CAP
                               or classes[a_heap[0][1]].wgen != a_heap[0][2]):
                 heapq.heappop(a_heap)
-            while b_heap and (not classes[b_heap[0][1]].in_wf or not classes[b_heap[0][1]].b
+            while b_heap and (classes[b_heap[0][1]].state != AT_LAM
                               or classes[b_heap[0][1]].wgen != b_heap[0][2]):
                 heapq.heappop(b_heap)
-            if self.nb == 0:
-                if self.sa <= cap * (1 + 1e-9) or not a_heap:
-                    self.lam = INF
-                    return
-                self._move(classes[a_heap[0][1]], to_b=True)
+            while free_heap and (csat[free_heap[0][1]] or cgen[free_heap[0][1]] != free_heap[0][2]):
+                heapq.heappop(free_heap)
+            while sat_heap and (not csat[sat_heap[0][1]]
+                                or cgen[sat_heap[0][1]] != sat_heap[0][2]):
+                heapq.heappop(sat_heap)
+            if self.at_lam:
+                lam = (cap - self.fixed) / self.at_lam
+            elif self.fixed > cap * (1 + 1e-9):
+                # The origin binds and nothing runs at its level yet: the unit with the highest
+                # threshold is the first that lam, coming down from infinity, reaches.
+                top_a = -a_heap[0][0] if a_heap else -INF
+                top_s = -sat_heap[0][0] if sat_heap else -INF
+                if top_a >= top_s and a_heap:
+                    self._to_lam(classes[a_heap[0][1]])
+                elif sat_heap:
+                    self._unbind(sat_heap[0][1], -INF)
+                else:
+                    raise RuntimeError("the origin's fair share did not settle (a wagent bug)")
                 continue
-            lam = (cap - self.sa) / self.nb
-            if b_heap and b_heap[0][0] < lam * (1 - 1e-12):
-                self._move(classes[b_heap[0][1]], to_b=False)
-                continue
-            if a_heap and -a_heap[0][0] > lam * (1 + 1e-12):
-                self._move(classes[a_heap[0][1]], to_b=True)
-                continue
-            self.lam = lam
-            return
+            else:
+                lam = INF
+            if b_heap and b_heap[0][0] < lam * (1 - EPS):
+                self._to_cap(classes[b_heap[0][1]])
+            elif a_heap and -a_heap[0][0] > lam * (1 + EPS):
+                self._to_lam(classes[a_heap[0][1]])
+            elif free_heap and free_heap[0][0] < lam * (1 - EPS):
+                self._bind(free_heap[0][1], lam)
+            elif sat_heap and -sat_heap[0][0] > lam * (1 + EPS):
+                self._unbind(sat_heap[0][1], lam)
+            else:
+                self.lam = lam
+                return
         raise RuntimeError("the origin's fair share did not settle (a wagent bug)")
 
-    def _move(self, x: _Class, to_b: bool) -> None:
-        u = x.wu
-        if to_b:
-            self.sa -= x.wn * u
-            self.sa_w[x.role] -= x.wn * u
-            self.nb += x.wn
-            self.nb_w[x.role] += x.wn
-        else:
-            self.nb -= x.wn
-            self.nb_w[x.role] -= x.wn
-            self.sa += x.wn * u
-            self.sa_w[x.role] += x.wn * u
-        x.wgen += 1
-        heapq.heappush(self.b_heap if to_b else self.a_heap,
-                       (u, x.id, x.wgen) if to_b else (-u, x.id, x.wgen))
-        # The coordinate of a class in B follows V, whose rate lam is only settled once the
-        # moves are done; lam only changes the future, so converting now is exact.
-        self._retune(x, to_b, u)
+    def _to_lam(self, x: _Class) -> None:
+        self._unplace(x)
+        self._place(x, -INF)
+
+    def _to_cap(self, x: _Class) -> None:
+        self._unplace(x)
+        self._place(x, INF)
 
     # -- the result ---------------------------------------------------------------------------
     def result(self) -> FleetPlan:

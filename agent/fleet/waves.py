@@ -11,6 +11,8 @@ fleet. Links are not simulated (``agent.fleet.simulate`` does that); neither is 
 from __future__ import annotations
 
 import bisect
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from agent.policy.model import Policy
@@ -147,3 +149,27 @@ def parse_shares(text: str) -> dict[str, float]:
 def default_shares(policy: Policy) -> dict[str, float]:
     """The conventional 30/10/60 split over the waves the policy has; other roles an equal share."""
     return {r: CONVENTIONAL_SHARES.get(r, 0.1) for r in policy.waves.order}
+
+
+def known_roles(policy: Policy) -> set[str]:
+    """The roles a node can have under the policy, counted as ``agent.identity`` does."""
+    known = {r.name for r in policy.roles} | set(policy.waves.order) | {policy.default_role}
+    if policy.cache_role is not None:
+        known.add(policy.cache_role)
+    return known
+
+
+def unknown_roles(policy: Policy, roles: Iterable[str]) -> list[str]:
+    """One message per role the policy doesn't know. A plan for such a role would put its nodes
+    after the last wave without a word: almost always a typo, and the plan then answers another
+    question than the one asked."""
+    known = known_roles(policy)
+    out = []
+    for role in roles:
+        if role in known:
+            continue
+        close = difflib.get_close_matches(role, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        out.append(f"unknown role {role!r}{hint}; the policy's roles: "
+                   f"{', '.join(sorted(known))}")
+    return out

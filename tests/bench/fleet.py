@@ -11,16 +11,20 @@ a real `wagent run` with one policy. Three rollouts:
 
 For each: the origin's bytes per cluster from nginx's log (target <= 1.02 copies of what a node
 fetches), each node's time from its start (its slot, or when it learned of the version if later)
-to its finish over its link-bound time (target <= 1.3),
-and every node's finish after publication, predicted by `wagent plan` (the same fleet described
-in YAML, the same policy, the same node ids) against measured (target: the nodes within 20%).
-The cache nodes' errors are printed, not held to the target: when in its poll interval a cache
-asks the origin for `latest` is the one thing the plan can't know, and two caches sharing the
-origin split it as their TCP flows happen to over a few seconds, not max-min fairly as the plan
-does (the pair's last finish is right, the split between them is not). Then the CPU each idle
-daemon uses.
+to its finish over its link-bound time (target <= 1.3), and every node's finish after
+publication, predicted by `wagent plan` (the same fleet described in YAML, the same policy, the
+same node ids) against measured (target: within 20%), with the start each side saw: the plan
+gives a node the mean start over where in its poll interval it polls (agent.fleet.simulate), so
+a start off by up to half an interval is the poll phase, which nothing can know in advance.
 
-    python tests/bench/fleet.py [--size 64MiB] [--gap 8s] [--cache-lead 10s]
+A finish more than 20% off fails the bench, except when the poll phase explains the excess
+(at most 20% + half a poll interval off): that is printed as "poll phase". It matters where a
+finish is short next to the poll interval: the caches' on the small update, about a second
+against an interval of 1 s. Then
+the CPU each idle daemon uses. With ``--runs N`` the whole thing runs N times, each on a fresh
+fleet, and ends with every node's predicted and measured finishes side by side.
+
+    python tests/bench/fleet.py [--runs 3] [--size 64MiB] [--gap 8s] [--cache-lead 10s]
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.fleet_bed import FleetSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -40,22 +48,50 @@ ACCURACY = 0.20
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=1, help="fresh fleets, one after the other")
     ap.add_argument("--size", default="64MiB", help="size of v0 and v1")
     ap.add_argument("--gap", default="8s")
     ap.add_argument("--spread", default="2s")
     ap.add_argument("--cache-lead", default="10s")
     args = ap.parse_args(argv)
 
-    from agent.units import parse_duration, parse_size
+    from agent.units import parse_duration
+    from tests.fleet_bed import FleetSpec
+
+    spec = FleetSpec(gap=args.gap, spread=args.spread, cache_lead=args.cache_lead)
+    poll = parse_duration(spec.poll)
+    failures: list[str] = []
+    # (run, version) -> node -> (planned finish, measured finish)
+    results: dict[tuple[int, str], dict[str, tuple[float, float]]] = {}
+    for run in range(1, args.runs + 1):
+        if args.runs > 1:
+            print(f"\n######## run {run} of {args.runs}")
+        one_run(run, spec, args.size, poll, failures, results)
+    if args.runs > 1:
+        summary(args.runs, results)
+    rows = [(n, pm) for per in results.values() for n, pm in per.items()]
+    worst_nodes = max(abs(p - m) / m for n, (p, m) in rows if "-cache-" not in n)
+    worst_caches = max(abs(p - m) / m for n, (p, m) in rows if "-cache-" in n)
+    worst_off = max(abs(p - m) for n, (p, m) in rows if "-cache-" in n)
+    print(f"\nplan accuracy over {args.runs} run{'s' if args.runs > 1 else ''}: nodes within "
+          f"{worst_nodes:.1%} of the measured finish (target {ACCURACY:.0%}); cache nodes "
+          f"within {worst_caches:.1%}, at most {worst_off:.2f} s off (they poll every "
+          f"{poll:g} s)")
+    if failures:
+        print("FAILED:", "; ".join(failures))
+        return 1
+    print("ok")
+    return 0
+
+
+def one_run(run: int, spec: FleetSpec, size_text: str, poll: float, failures: list[str],
+            results: dict[tuple[int, str], dict[str, tuple[float, float]]]) -> None:
+    from agent.units import parse_size
     from tests import modelgen
-    from tests.fleet_bed import MODEL, EmulatedFleet, FleetSpec, accuracy, link_bound
+    from tests.fleet_bed import MODEL, EmulatedFleet, link_bound, timings
     from tests.testbed import Testbed
 
-    size = parse_size(args.size)
-    poll = parse_duration(FleetSpec().poll)
-    spec = FleetSpec(gap=args.gap, spread=args.spread, cache_lead=args.cache_lead)
-    failures: list[str] = []
-    rows: list[tuple[str, str, float, float, float]] = []
+    size = parse_size(size_text)
     with Testbed() as tb:
         fleet = EmulatedFleet(tb, spec)
         try:
@@ -87,48 +123,62 @@ def main(argv: list[str] | None = None) -> int:
                     copies = sent / p.fetch
                     verdict = "ok" if copies <= COPIES else f"FAILED (> {COPIES})"
                     if copies > COPIES:
-                        failures.append(f"{version} cluster {c}: {copies:.3f} copies")
+                        failures.append(f"run {run} {version} cluster {c}: {copies:.3f} copies")
                     print(f"cluster {c}: origin sent {copies:.3f} copies (plan "
                           f"{predicted / p.fetch:.3f})  {verdict}")
                 print(f"{'node':<16} {'start->done':>11} {'link-bound':>10} {'x bound':>8}  "
-                      f"{'predicted':>9} {'measured':>9} {'error':>7}")
+                      f"{'start plan':>10} {'measured':>8}  {'done plan':>9} {'measured':>9} "
+                      f"{'error':>7}")
                 bound = {n: (took, ratio) for n, took, ratio in link_bound(fleet, p, done)}
-                for node, predicted, measured, err in accuracy(fleet, p, done, cold):
-                    took, ratio = bound[node]
-                    rows.append((version, node, predicted, measured, err))
+                per = results.setdefault((run, version), {})
+                for t in timings(fleet, p, done, cold):
+                    took, ratio = bound[t.node]
+                    per[t.node] = (t.planned, t.measured)
                     flags = []
                     if ratio > LINK_BOUND:
                         flags.append(f"> {LINK_BOUND}x bound")
-                        failures.append(f"{version} {node}: {ratio:.2f}x its link-bound time")
-                    off = abs(predicted - measured)
-                    if err > ACCURACY and "-cache-" in node:
-                        flags.append(f"off by {off:.2f} s (a cache: not held to the target)")
-                    elif err > ACCURACY:
+                        failures.append(f"run {run} {version} {t.node}: {ratio:.2f}x its "
+                                        "link-bound time")
+                    off = abs(t.planned - t.measured)
+                    if t.error > ACCURACY and off <= ACCURACY * t.measured + poll / 2:
+                        flags.append(f"poll phase: off by {off:.2f} s, started "
+                                     f"{t.start - t.planned_start:+.2f} s from the plan's mean")
+                    elif t.error > ACCURACY:
                         flags.append(f"plan off by {off:.2f} s")
-                        failures.append(f"{version} {node}: plan off by {err:.0%}")
-                    print(f"{node:<16} {took:>10.2f}s {took / ratio:>9.2f}s {ratio:>8.2f}  "
-                          f"{predicted:>8.2f}s {measured:>8.2f}s {err:>6.1%}  "
-                          f"{'; '.join(flags) or 'ok'}")
+                        failures.append(f"run {run} {version} {t.node}: plan off by "
+                                        f"{t.error:.0%}")
+                    print(f"{t.node:<16} {took:>10.2f}s {took / ratio:>9.2f}s {ratio:>8.2f}  "
+                          f"{t.planned_start:>9.2f}s {t.start:>7.2f}s  {t.planned:>8.2f}s "
+                          f"{t.measured:>8.2f}s {t.error:>6.1%}  {'; '.join(flags) or 'ok'}")
             time.sleep(2)
-            before, t = fleet.cpu_seconds(), time.monotonic()
+            before, t0 = fleet.cpu_seconds(), time.monotonic()
             time.sleep(10)
-            after, span = fleet.cpu_seconds(), time.monotonic() - t
+            after, span = fleet.cpu_seconds(), time.monotonic() - t0
             idle = sorted((after[k] - before[k]) / span for k in before)
             print(f"\nCPU per idle daemon over {span:.0f} s: median {idle[len(idle) // 2]:.1%} "
                   f"of a core, max {idle[-1]:.1%}")
         finally:
             fleet.stop()
-    worst_nodes = max(e for _, n, *_, e in rows if "-cache-" not in n)
-    worst_caches = max(e for _, n, *_, e in rows if "-cache-" in n)
-    worst_off = max(abs(pr - me) for _, n, pr, me, _ in rows if "-cache-" in n)
-    print(f"\nplan accuracy: nodes within {worst_nodes:.1%} of the measured finish (target "
-          f"{ACCURACY:.0%}); cache nodes within {worst_caches:.1%}, at most {worst_off:.2f} s "
-          f"off (polls every {poll:g} s)")
-    if failures:
-        print("FAILED:", "; ".join(failures))
-        return 1
-    print("ok")
-    return 0
+
+
+def summary(runs: int, results: dict[tuple[int, str], dict[str, tuple[float, float]]]) -> None:
+    """Every node's finish after publication: planned (the same in every run: the plan depends
+    on the node ids, the version and the policy) and measured, run by run."""
+    print(f"\n######## finish after publication, seconds: plan, then measured (error) in each "
+          f"of {runs} runs")
+    versions = sorted({v for _, v in results})
+    for v in versions:
+        print(f"\n== {v}")
+        nodes = list(results[(1, v)])
+        print(f"{'node':<16} {'plan':>7}  " + "  ".join(f"{'run ' + str(r):>16}"
+                                                       for r in range(1, runs + 1)))
+        for n in nodes:
+            planned = results[(1, v)][n][0]
+            cells = []
+            for r in range(1, runs + 1):
+                p, m = results[(r, v)][n]
+                cells.append(f"{m:>7.2f} ({abs(p - m) / m:>5.1%})")
+            print(f"{n:<16} {planned:>7.2f}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from agent import schedule
-from agent.fleet.simulate import Rollout, _phase, simulate_fleet
+from agent.fleet.simulate import Rollout, expected_start, simulate_fleet
 from agent.fleet.topology import parse_topology
 from agent.policy import parse_policy
 
@@ -91,12 +91,41 @@ clusters:
             continue
         cache = caches[n.cluster + "-cache-1"]
         assert n.source == cache.node and n.origin_bytes == 0
-        # learned at its first poll (1 s interval) after the cache had it
-        assert cache.done <= n.learned < cache.done + 1.0
-        assert n.start == pytest.approx(max(n.slot, n.learned))
+        # learned at its first poll (1 s interval) after the cache had it: half an interval
+        # later on average, and its start the mean over where in the interval it polls
+        assert n.learned == pytest.approx(cache.done + 0.5)
+        assert n.start - PUB == pytest.approx(expected_start(n.slot - PUB, cache.done - PUB,
+                                                             1.0))
     cache_wave = plan.waves[0]
     assert cache_wave.role == "cache" and cache_wave.origin_bytes == pytest.approx(400 * MB)
     assert all(w.from_cache == w.nodes for w in plan.waves[1:])
+
+
+def test_the_expected_start_is_the_mean_over_the_poll_phase():
+    rnd = random.Random(5)
+    for slot, known, poll in [(0.3, 0.0, 1.0), (1.6, 0.0, 1.0), (5.0, 4.5, 2.0), (0.0, 3.0, 1.0),
+                              (2.0, 2.0, 60.0), (7.0, 1.0, 0.0)]:
+        mean = (sum(max(slot, known + rnd.random() * poll) for _ in range(200_000)) / 200_000
+                if poll else max(slot, known))
+        assert expected_start(slot, known, poll) == pytest.approx(mean, abs=2e-3 * max(poll, 1))
+
+
+def test_a_cache_node_starts_at_its_slot_or_half_a_poll_interval_after_publication():
+    # The daemon on a cache node learns of a version at its first poll of the origin's
+    # `latest`, somewhere in its interval; its slot is within cache_spread of publication.
+    topo = fleet("""
+origin: {egress: 100mbit}
+clusters:
+  a: {node_link: 1gbit, nodes: {inference: 1}, cache: {}}
+""")
+    for poll in ("0s", "2s", "20s"):
+        pol = policy(spread="4s", lead="10s", poll=poll)
+        plan = simulate_fleet(topo, pol, Rollout(size=50 * MB, published=PUB))
+        cache = next(n for n in plan.nodes if n.role == "cache")
+        p = pol.poll_interval
+        assert cache.learned - PUB == pytest.approx(p / 2)
+        assert cache.start - PUB == pytest.approx(expected_start(cache.slot - PUB, 0.0, p))
+        assert cache.done - cache.start == pytest.approx(4.0)      # 50 MB at 12.5 MB/s
 
 
 def test_cold_caches_nodes_whose_slot_comes_first_fetch_from_the_origin():
@@ -220,14 +249,16 @@ def reference(topo, pol, rollout):
     for n in nodes:
         frac = schedule.offset_fraction(n["id"], n["role"], rollout.model, rollout.version)
         n.update(frac=frac, slot=schedule.slot_from_fraction(0, frac, n["role"], pol),
-                 phase=_phase(n["id"]) * poll, left=float(rollout.per_node), start=None,
-                 done=None, source=None, obytes=0.0, active=False, end=math.inf)
+                 left=float(rollout.per_node), start=None, done=None, source=None, obytes=0.0,
+                 active=False, end=math.inf)
 
-    def first_poll(n, at):
-        return n["phase"] + max(0, math.ceil((at - n["phase"]) / poll)) * poll if poll else at
-
-    def plan_start(n, learned):
-        due = max(n["slot"], learned)
+    def plan_start(n, known):
+        # the mean over a poll phase u uniform in [0, 1) of max(slot, known + u * poll)
+        if poll:
+            u0 = min(1.0, max(0.0, (n["slot"] - known) / poll))
+            due = n["slot"] * u0 + known * (1 - u0) + poll * (1 - u0 * u0) / 2
+        else:
+            due = max(n["slot"], known)
         s = schedule.pull_allowed_at(schedule.windows_for(pol, n["role"]), PUB + due,
                                      n["frac"], pol.waves.spread)
         if s is not None:
@@ -235,7 +266,7 @@ def reference(topo, pol, rollout):
 
     for n in nodes:
         if n["home"] is None or rollout.cold:
-            plan_start(n, first_poll(n, 0.0))
+            plan_start(n, 0.0)
     done_caches = {}
     while True:
         active = [n for n in nodes if n["active"]]
@@ -261,7 +292,7 @@ def reference(topo, pol, rollout):
                     if not rollout.cold:
                         for m in nodes:
                             if m["home"] == n["id"]:
-                                plan_start(m, first_poll(m, t))
+                                plan_start(m, t)
             elif n["end"] <= t + 1e-9:          # its window closed: pause until the next
                 n.update(active=False, end=math.inf)
                 s = schedule.pull_allowed_at(schedule.windows_for(pol, n["role"]),
@@ -349,3 +380,31 @@ def test_random_fleets_agree_with_the_reference(seed):
         assert n.origin_bytes == pytest.approx(r["obytes"], rel=1e-6, abs=1.0), n.node
     assert plan.origin_bytes == pytest.approx(sum(r["obytes"] for r in ref.values()),
                                               rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_many_pulls_resuming_in_windows_agree_with_the_reference(seed):
+    # Many pulls of one role share the origin and pause every hour: most resumes join a class
+    # already at the origin's level (the simulation's shortcut), some clusters' links bind.
+    rnd = random.Random(1000 + seed)
+    clusters = "\n".join(
+        f"  c{c}: {{link: {rnd.choice([60, 150, 10000])}mbit, node_link: "
+        f"{rnd.choice([20, 100, 1000])}mbit, nodes: {{inference: {rnd.randint(1, 3)}, "
+        f"training: {rnd.randint(8, 14)}}}{', cache: {}' if c == 0 else ''}}}"
+        for c in range(3))
+    topo = fleet(f"origin: {{egress: {rnd.choice([100, 200])}mbit}}\nclusters:\n" + clusters)
+    roles = '{cache: {}, inference: {}, evaluation: {}, training: {windows: ' \
+            '[{cron: "0 * * * *", duration: 25m}]}}'
+    pol = policy(roles=roles, gap="3m", spread="20m", lead="2m",
+                 poll=rnd.choice(["0s", "2m"]))
+    rollout = Rollout(size=rnd.choice([2000, 4000]) * MB, published=PUB, cold=seed % 2 == 0,
+                      version=f"w{seed}")
+    plan = simulate_fleet(topo, pol, rollout)
+    ref = reference(topo, pol, rollout)
+    for n in plan.nodes:
+        r = ref[n.node]
+        assert n.source == r["source"], n.node
+        assert n.done is not None and r["done"] is not None, n.node
+        assert n.done - PUB == pytest.approx(r["done"], rel=1e-6, abs=1e-6), n.node
+        assert n.origin_bytes == pytest.approx(r["obytes"], rel=1e-6, abs=1.0), n.node
+    assert plan.origin_peak_bps > 0

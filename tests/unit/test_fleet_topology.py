@@ -136,6 +136,15 @@ def test_plan_usage_errors_exit_2_and_bad_files_exit_1(tmp_path, capsys):
     assert main(["plan", "--policy", policy, "--fleet", str(bad), "--size", "1GB"]) == 1
     assert f"{bad}:4: unknown key 'cashe' in clusters.a; did you mean 'cache'?" in \
         capsys.readouterr().err
+    assert main(["plan", "--policy", policy, "--fleet", str(EXAMPLE), "--size", "1GB",
+                 "--roles", "inference=1"]) == 2
+    assert "--roles goes with --nodes" in capsys.readouterr().err
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("version: 1\norigin: {egress: 1gbit}\nclusters:\n  a: {node_link: 1gbit, "
+                    "nodes: {infrence: 1}}\n")
+    assert main(["plan", "--policy", policy, "--fleet", str(typo), "--size", "1GB"]) == 1
+    assert f"{typo}: nodes: unknown role 'infrence' (did you mean 'inference'?)" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit) as e:        # exactly one of --fleet and --nodes
         main(["plan", "--policy", policy, "--size", "1GB"])
     assert e.value.code == 2

@@ -83,3 +83,18 @@ def test_plan_cli(capsys):
     assert main(argv + ["--size", "16GB"]) == 0      # 16 GB at shaping.ceil 5 Gbit/s: 25.6 s
     out = capsys.readouterr().out
     assert "each pull takes 26s" in out and "+10h20m" in out
+
+
+def test_plan_refuses_a_role_the_policy_does_not_know(capsys):
+    # Issue 14 item 7: a typo would plan its nodes after the last wave, without a word.
+    argv = ["plan", "--policy", str(POLICIES / "fleet.example.yaml"), "--nodes", "1000",
+            "--published", "2026-12-02T12:00:00Z"]
+    assert main(argv + ["--roles", "infrence=0.3,training=0.7"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("wagent plan: --roles: unknown role 'infrence' (did you mean "
+                            "'inference'?); the policy's roles: cache, evaluation, inference, "
+                            "training\n")
+    assert main(argv + ["--roles", "gpu=1"]) == 2
+    assert "unknown role 'gpu'; the policy's roles:" in capsys.readouterr().err
+    assert main(argv + ["--roles", "cache=1,training=9"]) == 0
