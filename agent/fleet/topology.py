@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from agent.policy import Issue
-from agent.policy.build import NO_VALUE, Builder, PolicyTooLarge
+from agent.policy.build import NO_VALUE, Builder, ComposeError, PolicyTooLarge, compose
 from agent.policy.model import rate_field
 
 SCHEMA_VERSION = 1
@@ -131,19 +131,9 @@ def load_topology(path: str | os.PathLike[str]) -> Topology:
 def parse_topology(data: bytes | str, path: str = "<fleet>") -> Topology:
     """The fleet description in ``data``; raises TopologyError listing every problem."""
     try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-    except UnicodeDecodeError as e:
-        raise TopologyError([Issue(path, 0, f"not UTF-8 text ({e.reason} at byte {e.start})")]) \
-            from e
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        what = " ".join(p for p in (e.context, e.problem) if p)
-        raise TopologyError([Issue(path, mark.line + 1 if mark else 0,
-                                   f"YAML syntax error: {what}")]) from e
-    except yaml.YAMLError as e:
-        raise TopologyError([Issue(path, 0, f"YAML error: {e}")]) from e
+        node = compose(data.encode() if isinstance(data, str) else data)
+    except ComposeError as e:
+        raise TopologyError([Issue(path, e.line, str(e))]) from e
     if node is None:
         raise TopologyError([Issue(path, 1, "the fleet description is empty; start it with "
                                             f"'version: {SCHEMA_VERSION}'")])
