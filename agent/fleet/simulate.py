@@ -476,15 +476,19 @@ class _Sim:
             self._done(i)
             return
         thr = self._progress(c) + left
+        self._enqueue(i, c, thr, left)
+        self._changed(c)
+        if self.spans[c.role] is not None:
+            self._arm_pause(c.role)
+
+    def _enqueue(self, i: int, c: _Class, thr: float, left: float) -> None:
+        """Node i's flow joins class c, done when the class's progress reaches ``thr``."""
         gen = self.fgen[i] = self.fgen[i] + 1
         self.fcls[i] = c
         self.fthr[i] = thr
         self.fjoin[i] = left
         heapq.heappush(c.heap, (thr, i, gen))
         c.n += 1
-        self._changed(c)
-        if self.spans[c.role] is not None:
-            self._arm_pause(c.role)
 
     def _arm_pause(self, w: int) -> None:
         """A pull of role w runs now: the closing of its window is an event (once)."""
@@ -529,12 +533,7 @@ class _Sim:
             return False                     # a cluster's uplink stops binding
         left = self.left[i]
         thr = self.V - c.off + left
-        gen = self.fgen[i] = self.fgen[i] + 1
-        self.fcls[i] = c
-        self.fthr[i] = thr
-        self.fjoin[i] = left
-        heapq.heappush(c.heap, (thr, i, gen))
-        c.n += 1
+        self._enqueue(i, c, thr, left)
         c.wn += 1
         self.at_lam, self.lam = at_lam, lam
         w = c.role
