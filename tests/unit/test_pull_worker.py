@@ -9,6 +9,7 @@ import pytest
 from agent.policy.model import Model, Policy, Pulls
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.scheduler import Scheduler
+from tests.waiting import wait_for
 
 
 class World:
@@ -129,15 +130,6 @@ def scheduler():
     s.shutdown(wait=False)
 
 
-def wait_until(predicate, timeout=5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_supervise_stops_a_running_pull_when_the_window_closes(scheduler):
     w = World()
     w.now = 5000.0
@@ -145,12 +137,12 @@ def test_supervise_stops_a_running_pull_when_the_window_closes(scheduler):
     p = Worker(policy(Model("llama")), w.deps())
     p.start(scheduler)
     try:
-        assert wait_until(lambda: p.snapshot()[0].state == "pulling")
+        assert wait_for(lambda: p.snapshot()[0].state == "pulling")
         info = p.snapshot()[0]
         assert info.state == "pulling" and info.streams == 4 and info.rate_bps == 8e6
         w.window_open = False
         p.supervise()
-        assert wait_until(lambda: p.snapshot()[0].state != "pulling")
+        assert wait_for(lambda: p.snapshot()[0].state != "pulling")
         assert p.snapshot()[0].state in ("idle", "waiting_window")
         assert w.pulled == []
     finally:
@@ -164,11 +156,11 @@ def test_models_pull_at_once_up_to_the_limit_the_others_queue(scheduler):
     p = Worker(policy(Model("a"), Model("b"), Model("c"), concurrent=2), w.deps())
     p.start(scheduler)
     try:
-        assert wait_until(lambda: sorted(i.state for i in p.snapshot())
+        assert wait_for(lambda: sorted(i.state for i in p.snapshot())
                           == ["pulling", "pulling", "queued"])
         assert p.pulling() == 2
         w.block.set()                            # the two finish; the third's turn comes
-        assert wait_until(lambda: len(w.pulled) == 3)
+        assert wait_for(lambda: len(w.pulled) == 3)
         assert {i.state for i in p.snapshot()} == {"done"}
     finally:
         p.stop()
@@ -192,7 +184,7 @@ def test_a_stuck_model_never_holds_the_others(scheduler):
     p.deps = WorkerDeps(**{**p.deps.__dict__, "pull": pull})
     p.start(scheduler)
     try:
-        assert wait_until(lambda: ("fast", "v1") in w.pulled)
+        assert wait_for(lambda: ("fast", "v1") in w.pulled)
         assert {i.model: i.state for i in p.snapshot()}["slow"] == "pulling"
     finally:
         p.stop()
@@ -252,7 +244,7 @@ def test_a_failing_step_is_that_models_error_alone(scheduler):
                WorkerDeps(**{**deps.__dict__, "have": broken}))
     p.start(scheduler)
     try:
-        assert wait_until(lambda: ("good", "v1") in w.pulled and p.errors())
+        assert wait_for(lambda: ("good", "v1") in w.pulled and p.errors())
         # the good model's steps succeed and don't clear the other's error
         assert p.errors() == (
             "the pull worker failed a step for bad (retrying): store unreadable",)

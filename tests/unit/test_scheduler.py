@@ -14,6 +14,7 @@ import pytest
 
 from agent.policy.model import Window
 from agent.scheduler import Scheduler
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -30,14 +31,6 @@ def make_scheduler():
     for s in made:
         s.shutdown(wait=False)
 
-
-def wait_for(predicate, timeout: float = 3.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def busy_then_late(s: Scheduler) -> list[float]:

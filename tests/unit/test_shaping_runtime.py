@@ -2,7 +2,6 @@
 reload reaches the loop, the periodic re-apply. The kernel side is a stand-in shaper here; the
 real one runs in tests/integration/test_shaping.py and test_daemon_reload.py."""
 
-import threading
 
 from agent.policy.model import Backoff, Policy, Shaping
 from shaping.errors import ShapingError
@@ -10,6 +9,7 @@ from shaping.plan import SetLinkUp
 from shaping.runtime import ShapingRuntime
 from shaping.shaper import ApplyReport
 from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
+from tests.waiting import wait_for
 
 M = 10**6
 G = 10**9
@@ -52,14 +52,6 @@ class FakeShaper:
 
     def clear(self):
         self.cleared = True
-
-
-def wait_for(cond, seconds=2.0):
-    for _ in range(int(seconds / 0.02)):
-        if cond():
-            return True
-        threading.Event().wait(0.02)
-    return cond()
 
 
 def shaped(tmp_path, **backoff):
