@@ -9,7 +9,9 @@ a sender never has more than that in flight. So every pull socket's window is cl
 (``TCP_WINDOW_CLAMP``) to its share of what the controller allows over one round trip plus a
 small queue budget: the pull then holds at most ``rate x budget`` bytes in any queue on its path,
 however deep, and a new flow gets through at once (the receiver-driven LEDBAT idea, without its
-delay controller: the clamp follows the backoff controller's rate).
+delay controller: the clamp follows the backoff controller's rate). The round trip is the base
+RTT of the path to the socket's peer, remembered across connections (``agent.pull.base_rtt``):
+a socket's own minimum includes any queue that was standing when it opened.
 
 Linux never retracts a window it advertised: a lower clamp takes effect as the data already
 allowed drains (one round trip). Two knobs set the window, because kernels differ:
@@ -47,9 +49,12 @@ import math
 import socket
 import struct
 import threading
+import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from agent.pull.base_rtt import BaseRtts
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +113,11 @@ class StreamsSample:
     """The live pull sockets at one instant."""
 
     streams: int = 0
-    min_rtt_us: int | None = None        # lowest base RTT among them: the path without queues
+    min_rtt_us: int | None = None        # lowest tcpi_min_rtt among them
     rtt_us: int | None = None            # median smoothed RTT
     rcv_rtt_us: int | None = None        # median receiver-side RTT estimate
     bytes_received: int = 0              # cumulative, every socket ever registered
-    window: int | None = None            # the clamp each socket has now (bytes), None: none
+    window: int | None = None            # the largest clamp a socket has now (bytes), None: none
 
 
 def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
@@ -134,10 +139,12 @@ def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
 
 
 class _Entry:
-    __slots__ = ("ref", "applied", "received")
+    __slots__ = ("ref", "peer", "base", "applied", "received")
 
-    def __init__(self, ref: weakref.ref[socket.socket]) -> None:
+    def __init__(self, ref: weakref.ref[socket.socket], peer: str) -> None:
         self.ref = ref
+        self.peer = peer                 # the remote address ("" if unknown)
+        self.base: float | None = None   # the base RTT its window was sized for (seconds)
         self.applied: int | None = None  # the window set on it (None: the kernel's own)
         self.received = 0                # bytes_received when last sampled
 
@@ -145,38 +152,49 @@ class _Entry:
 class PullSockets:
     """The registry: sockets come and go with the HTTP connections (weakly held, so a socket
     dropped by its pool is forgotten, its bytes still counted); the clamp follows
-    ``set_rate``."""
+    ``set_rate``. ``clock``: monotonic seconds, for the base RTT history."""
 
-    def __init__(self, budget_s: float = QUEUE_BUDGET) -> None:
+    def __init__(self, budget_s: float = QUEUE_BUDGET,
+                 clock: Callable[[], float] = time.monotonic,
+                 bases: BaseRtts | None = None) -> None:
         self.budget_s = budget_s
+        self.clock = clock
+        self.bases = bases if bases is not None else BaseRtts()
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self._dead: collections.deque[int] = collections.deque()  # filled by weakref callbacks
         self._keys = itertools.count()
         self._rate: int | None = None
-        self._base_rtt_s: float | None = None
         self._gone_bytes = 0             # bytes of sockets no longer registered
         self._window: int | None = None
         self._unclamped = tcp_rmem_max()
         self._scale = DEFAULT_SCALE
         self._samples = 0
-        self._dirty = False              # the window must be worked out again (RTT, scale)
-        self._applied_n = 0              # sockets the window was last shared among
+        self._dirty = False              # the windows must be worked out again (RTT, scale)
+        self._applied_n = 0              # sockets the windows were last shared among
         self.errors = 0
 
     # -- the HTTP layer's side ---------------------------------------------------------------
     def register(self, sock: socket.socket) -> None:
-        """A new pull connection: it gets the current clamp before its first request."""
+        """A new pull connection: it gets the current clamp before its first request, sized
+        by what is known of the path to its peer (its handshake's RTT, at least)."""
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
                                                                   socket.AF_INET6):
             return
         key = next(self._keys)
         # The callback may run in any thread, at any time (garbage collection): it only queues.
         ref = weakref.ref(sock, lambda _r, key=key: self._dead.append(key))
+        try:
+            peer = str(sock.getpeername()[0])
+        except (OSError, IndexError):
+            peer = ""
+        info = _tcp_info(sock)
         with self._lock:
             if any(e.ref() is sock for e in self._entries.values()):
                 return                           # already known (a connect() called twice)
-            self._entries[key] = _Entry(ref)
+            if info is not None and info.min_rtt_us:
+                self.bases.observe(peer, info.min_rtt_us / 1e6, self.clock())
+            self._entries[key] = _Entry(ref, peer)
             self._apply_locked()
 
     # -- the backoff loop's side ---------------------------------------------------------------
@@ -191,34 +209,33 @@ class PullSockets:
         return self._rate
 
     def sample(self) -> StreamsSample:
-        """TCP_INFO of every live socket (one getsockopt each); also re-sizes the clamp when
-        the path's base RTT changed."""
+        """TCP_INFO of every live socket (one getsockopt each); also re-sizes a socket's clamp
+        when the base RTT of the path to its peer changed."""
         infos: list[TcpInfo] = []
         with self._lock:
             self._samples += 1
+            now = self.clock()
             live = self._live_locked()
             for sock, entry in live:
-                try:
-                    info = parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO,
-                                                          TCP_INFO_LEN))
-                except OSError:
+                info = _tcp_info(sock)
+                if info is None:
                     continue
                 infos.append(info)
                 if info.bytes_received is not None:
                     entry.received = info.bytes_received
+                if info.min_rtt_us:
+                    self.bases.observe(entry.peer, info.min_rtt_us / 1e6, now)
                 if (entry.applied is not None and self._rate is not None
                         and self._samples % LEARN_EVERY == 0):
                     self._learn_scale_locked(sock, entry)
             total = self._gone_bytes + sum(e.received for _, e in live)
-            base = _min_of(i.min_rtt_us for i in infos)
-            if base is not None and (self._base_rtt_s is None
-                                     or abs(base / 1e6 - self._base_rtt_s) > 0.1 * base / 1e6):
-                self._base_rtt_s = base / 1e6
-                self._dirty = True
+            for _, entry in live:
+                self._dirty |= self._rebase_locked(entry, now)
             if self._dirty or len(live) != self._applied_n:
                 self._apply_locked(live)
             window = self._window
-        return StreamsSample(len(infos), base, _median(i.rtt_us for i in infos),
+        return StreamsSample(len(infos), _min_of(i.min_rtt_us for i in infos),
+                             _median(i.rtt_us for i in infos),
                              _median(i.rcv_rtt_us for i in infos), total, window)
 
     # -- internals ---------------------------------------------------------------------------
@@ -236,6 +253,15 @@ class PullSockets:
                 continue
             live.append((sock, entry))
         return live
+
+    def _rebase_locked(self, entry: _Entry, now: float) -> bool:
+        """Takes the base RTT to the entry's peer if it moved by more than 10% (a window set
+        again for every microsecond of jitter would be a setsockopt per tick); True if so."""
+        base = self.bases.base(entry.peer, now)
+        if base is None or (entry.base is not None and abs(base - entry.base) <= 0.1 * entry.base):
+            return False
+        entry.base = base
+        return True
 
     def _learn_scale_locked(self, sock: socket.socket, entry: _Entry) -> None:
         """A kernel that set the clamp again from the buffer (6.x, see the docstring) says how
@@ -258,9 +284,15 @@ class PullSockets:
         self._dirty = False
         live = self._live_locked() if live is None else live
         self._applied_n = len(live)
-        window = window_for(self._rate, self._base_rtt_s, len(live), budget_s=self.budget_s)
-        self._window = window
+        now = self.clock()
+        largest: int | None = None
         for sock, entry in live:
+            if entry.base is None:
+                self._rebase_locked(entry, now)
+            # Each socket carries its share of the rate over its own path's round trip.
+            window = window_for(self._rate, entry.base, len(live), budget_s=self.budget_s)
+            if window is not None:
+                largest = max(largest or 0, window)
             # No rate: the window autotuning would reach at most (a fixed buffer can't be
             # handed back to autotuning once set).
             want = window if window is not None else (None if entry.applied is None
@@ -275,6 +307,7 @@ class PullSockets:
                     log.warning("can't clamp a pull socket's receive window: %s", e)
                 continue
             entry.applied = want
+        self._window = largest if live else window_for(self._rate, None, 0, budget_s=self.budget_s)
 
 
 def buffer_for(window: int, scale: float = DEFAULT_SCALE) -> int:
@@ -304,6 +337,13 @@ def tcp_rmem_max(path: str = TCP_RMEM) -> int:
             return int(f.read().split()[2])
     except (OSError, ValueError, IndexError):
         return 6 << 20
+
+
+def _tcp_info(sock: socket.socket) -> TcpInfo | None:
+    try:
+        return parse_tcp_info(sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, TCP_INFO_LEN))
+    except OSError:
+        return None
 
 
 def _min_of(values: Iterable[int | None]) -> int | None:

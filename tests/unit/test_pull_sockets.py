@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from agent.pull.base_rtt import BaseRtts
 from agent.pull.sockets import (
     MIN_SEGMENTS,
     TCP_WINDOW_CLAMP,
@@ -54,7 +55,9 @@ def test_clamp_follows_the_rate_on_live_sockets(pair):
     reg = PullSockets(budget_s=0.001)
     reg.set_rate(G)
     reg.register(client)                              # registered: the current window at once
-    assert clamp(client) == 125000
+    handshake = reg.bases.base("127.0.0.1", reg.clock())  # the path's RTT, from its handshake
+    assert handshake is not None and handshake < 0.01
+    assert clamp(client) == window_for(G, handshake, 1, budget_s=0.001)   # 125000 + 125/us
     assert client.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= 2 * 125000
     reg.set_rate(10 * M)                              # backed off: a few segments
     assert clamp(client) == MIN_SEGMENTS * 1448
@@ -141,3 +144,68 @@ def test_a_socket_registered_twice_counts_once(pair):
     reg.register(pair[0])
     reg.register(pair[0])
     assert reg.sample().streams == 1
+
+
+def test_base_rtt_is_the_smallest_of_the_last_ten_minutes_per_peer():
+    b = BaseRtts()
+    b.observe("a", 3e-3, now=0.0)
+    b.observe("a", 9e-6, now=59.0)            # the path idle once: that is its base
+    b.observe("a", 2.5e-3, now=400.0)         # a queue standing since: not the path
+    assert b.base("a", 400.0) == 9e-6
+    assert b.base("b", 400.0) is None         # another peer knows nothing of it
+    assert b.base("a", 599.0) == 9e-6
+    assert b.base("a", 600.0) == 2.5e-3       # ten minutes on, the path is believed to have grown
+    b.observe("a", 0.0, now=600.0)            # no sample (a kernel without min_rtt)
+    assert b.base("a", 600.0) == 2.5e-3
+
+
+def test_base_rtts_forget_the_least_recently_seen_peer():
+    b = BaseRtts(max_peers=2)
+    b.observe("a", 1e-3, 0.0)
+    b.observe("b", 1e-3, 1.0)
+    b.observe("a", 1e-3, 2.0)
+    b.observe("c", 1e-3, 3.0)
+    assert b.base("b", 3.0) is None and b.base("a", 3.0) and b.base("c", 3.0)
+
+
+def test_a_latecomer_sizes_its_window_for_the_path_not_for_the_queue_it_found(pair):
+    """A connection opened while another host's pull fills the bottleneck reads that queue in
+    every RTT sample; the base seen earlier on the same path (an idle poll) sizes its window."""
+    client, _ = pair
+    now = [1000.0]
+    bases = BaseRtts()
+    bases.observe("127.0.0.1", 1e-6, now=now[0] - 120)     # two minutes ago, idle: 1 us
+    reg = PullSockets(budget_s=0.0, clock=lambda: now[0], bases=bases)
+    reg.set_rate(100 * G)                       # budget 0: the window is all round trip
+    reg.register(client)                        # its own handshake took longer than 1 us
+    assert clamp(client) == window_for(100 * G, 1e-6, 1, budget_s=0.0)
+    now[0] += 11 * 60                           # the idle sample is out of the history
+    reg.sample()
+    own = bases.base("127.0.0.1", now[0])
+    assert own is not None and own > 1e-6
+    assert clamp(client) == window_for(100 * G, own, 1, budget_s=0.0)
+
+
+def test_each_socket_is_sized_for_the_path_to_its_own_peer(pair):
+    """A near cache and a farther mirror at once: each socket carries its share over its own
+    round trip, not over the nearest one's."""
+    near, _ = pair
+    server = socket.create_server(("127.0.0.2", 0))
+    far = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    server.close()
+    try:
+        bases = BaseRtts()
+        bases.observe("127.0.0.1", 1e-6, now=0.0)       # nearer than loopback's handshake
+        reg = PullSockets(budget_s=0.0, clock=lambda: 0.0, bases=bases)
+        reg.set_rate(100 * G)
+        reg.register(near)
+        reg.register(far)                               # known by its handshake alone
+        far_rtt = bases.base("127.0.0.2", 0.0)
+        assert far_rtt is not None and far_rtt > 2e-6
+        assert clamp(near) == window_for(100 * G, 1e-6, 2, budget_s=0.0)
+        assert clamp(far) == window_for(100 * G, far_rtt, 2, budget_s=0.0) > clamp(near)
+        assert reg.sample().window == clamp(far)        # status shows the largest
+    finally:
+        far.close()
+        accepted.close()
