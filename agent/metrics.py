@@ -79,12 +79,13 @@ READINGS: dict[str, Reading] = {
         "wagent_backoff_pull_sockets",
         "Pull sockets whose receive window the backoff loop clamps", 1),
     "pull_min_rtt_us": Reading(
-        "wagent_backoff_pull_min_rtt_seconds", "Base (smallest) RTT of the pull sockets", 1e-6),
+        "wagent_backoff_pull_min_rtt_seconds",
+        "Smallest RTT any live pull socket has seen since it opened", 1e-6),
     "pull_rtt_us": Reading(
         "wagent_backoff_pull_rtt_seconds", "Median smoothed RTT of the pull sockets", 1e-6),
     "pull_window_bytes": Reading(
         "wagent_backoff_pull_window_bytes",
-        "The receive window each pull socket is clamped to", 1),
+        "The largest receive window a pull socket is clamped to", 1),
 }
 
 CLASS_COUNTERS: dict[str, str] = {
