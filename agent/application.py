@@ -237,6 +237,9 @@ class Application:
                     schedule.start_at(pub, now, ident.node_id, ident.role, model.name, version,
                                       p))
 
+        def next_poll(model: Model, polled: float, interval: float) -> float:
+            return schedule.poll_after(polled, parts.identity.node_id, model.name, interval)
+
         def window(now: float) -> WindowState:
             windows = schedule.windows_for(parts.policy, parts.identity.role)
             if not windows:
@@ -303,7 +306,7 @@ class Application:
         return WorkerDeps(clock=self.clock, resolve=resolve, published=published,
                           schedule=plan, window=window, have=have,
                           local_version=local_version, pull=pull,
-                          evict=lambda: self._evict(parts), ready=ready,
+                          evict=lambda: self._evict(parts), next_poll=next_poll, ready=ready,
                           stall_after=stall_after)
 
     @staticmethod

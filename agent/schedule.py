@@ -11,10 +11,13 @@ role has no wave: its nodes start at ``published + frac * cache_spread`` (at mos
 within ``cache_lead`` when that is set), so with ``waves.cache_lead`` the caches are full before
 wave 0 begins. A role that no wave names goes after the last wave.
 
-A node that learns of a version after its slot starts at once. Role windows then decide when
-pulls may run: a start (or a pull that paused) outside the windows waits for the next opening,
-plus the node's own ``frac`` of the spread (capped at the window's length) so that a thousand
-nodes don't all start on the same second when the night window opens.
+A node learns of a new version when it polls ``{source}/{model}/latest``, which it does at the
+wall-clock times ``phase + k * poll_interval`` (``next_poll``), its ``phase`` hashed from its id
+and the model (``poll_phase``): known to anyone who knows the id, the plan included. A node that
+learns of a version after its slot starts at once. Role windows then decide when pulls may run:
+a start (or a pull that paused) outside the windows waits for the next opening, plus the node's
+own ``frac`` of the spread (capped at the window's length) so that a thousand nodes don't all
+start on the same second when the night window opens.
 
 >>> from agent.policy.model import Policy
 >>> slot(0.0, "node-a", "training", "llama", "v2", Policy()) // 60      # wave 2: 2 * 30 min + ...
@@ -26,6 +29,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import math
 from collections.abc import Iterable
 from datetime import UTC, datetime, tzinfo
 from zoneinfo import ZoneInfo
@@ -34,12 +38,51 @@ from agent.cron import CronSpec, parse_cron
 from agent.policy.model import Policy, Window
 
 CACHE_SPREAD = 60.0            # cache nodes start within a minute of publication
+POLL_SLACK = 1e-6              # s: a time this close to a poll time is that poll time
 
 
 def offset_fraction(node_id: str, role: str, model: str, version: str) -> float:
     """A number in [0, 1) fixed by the node, its role and the version; uniform over nodes."""
     digest = hashlib.sha256(f"{node_id}|{role}|{model}|{version}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def poll_fraction(node_id: str, model: str) -> float:
+    """A number in [0, 1) fixed by the node and the model (not the version: it is needed before
+    a version is known); uniform over nodes, independent of ``offset_fraction``."""
+    digest = hashlib.sha256(f"poll|{node_id}|{model}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def poll_phase(node_id: str, model: str, interval: float) -> float:
+    """Where in every ``interval`` (counted from the epoch) this node polls the model's
+    ``latest``. A fixed phase, rather than one set by when the daemon started: anyone who knows
+    the node's id (``wagent plan``, an operator) knows when it polls, and a fleet restarted at
+    once (a package upgrade) spreads its polls over the interval after the first one instead
+    of hitting the origin together at every interval."""
+    return max(interval, 0.0) * poll_fraction(node_id, model)
+
+
+def first_poll(after: float, phase: float, interval: float) -> float:
+    """The first of the times ``phase + k * interval`` at or after ``after``: ``after`` itself
+    when it is one (within ``POLL_SLACK``: wall-clock seconds are floats), or when ``interval``
+    is 0 (every moment is a poll time)."""
+    if interval <= 0:
+        return after
+    k = math.ceil((after - phase - POLL_SLACK) / interval)
+    return max(after, phase + k * interval)
+
+
+def next_poll(after: float, node_id: str, model: str, interval: float) -> float:
+    """This node's first poll of the model's ``latest`` at or after ``after``."""
+    return first_poll(after, poll_phase(node_id, model, interval), interval)
+
+
+def poll_after(polled: float, node_id: str, model: str, interval: float) -> float:
+    """This node's next poll of the model's ``latest`` once it polled at ``polled``: the first
+    poll time strictly after it (``polled`` itself if ``interval`` is 0)."""
+    at = next_poll(polled, node_id, model, interval)
+    return at + interval if at <= polled else at
 
 
 def wave_order(policy: Policy) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """APScheduler 3.x behind a small interface: the only module that imports apscheduler.
 
-Two traps in APScheduler 3 are closed here:
+Three traps in APScheduler 3 are closed here:
 
 * ``misfire_grace_time`` defaults to 1 s: a job whose time passed while the worker was busy, the
   machine suspended or the process starting, is dropped with only a warning. wagent's jobs
@@ -10,6 +10,10 @@ Two traps in APScheduler 3 are closed here:
   fields where CronTrigger ANDs them). wagent never gives APScheduler a cron field: window
   openings come from ``agent.cron`` and are scheduled as one-shot DateTrigger jobs, each
   re-armed for the following opening when it fires.
+* A one-shot job that re-arms itself to run at once (a model's job whose next poll is already
+  due) can come due before its current run has returned: APScheduler then skips it ("maximum
+  number of running instances reached") and, a DateTrigger having no next run, drops it for
+  good. A skipped one-shot job is armed again a moment later (``SKIPPED_RETRY``).
 
 Works with APScheduler 3.9.1 (Debian 12) and the newest 3.x. Times are POSIX seconds or aware
 datetimes; the scheduler runs in UTC.
@@ -23,9 +27,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES, JobSubmissionEvent
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.base import JobLookupError
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -38,6 +43,7 @@ from agent.schedule import next_opening, open_until
 log = logging.getLogger(__name__)
 
 JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1}
+SKIPPED_RETRY = 0.01           # s: a one-shot job skipped while its last run returns, again
 
 
 class Scheduler:
@@ -51,6 +57,9 @@ class Scheduler:
         self._pool = ThreadPoolExecutor(max_workers=workers)
         self._aps = BackgroundScheduler(
             timezone=UTC, job_defaults=defaults, executors={"default": self._pool})
+        # job id -> the one-shot job last armed under it, to arm again if it is skipped
+        self._oneshots: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        self._aps.add_listener(self._skipped, EVENT_JOB_MAX_INSTANCES)
 
     def start(self) -> None:
         self._aps.start()
@@ -74,8 +83,21 @@ class Scheduler:
     def at(self, when: float | datetime, func: Callable[..., Any], *, job_id: str,
            args: Iterable[Any] = ()) -> None:
         """Run ``func(*args)`` once at ``when`` (at once if already past); replaces ``job_id``."""
+        args = tuple(args)
+        self._oneshots[job_id] = (func, args)
         self._aps.add_job(func, DateTrigger(run_date=_aware(when), timezone=UTC), args=list(args),
                           id=job_id, name=job_id, replace_existing=True)
+
+    def _skipped(self, event: JobSubmissionEvent) -> None:
+        """A one-shot job came due while its previous run still ran (it armed itself as it
+        ended) and APScheduler dropped it: armed again a moment later, and again while that run
+        still hasn't returned, since here a job runs however late (the module's docstring)."""
+        job = self._oneshots.get(event.job_id)
+        if job is None or not self._aps.running or self._aps.get_job(event.job_id) is not None:
+            return      # an interval job (it runs again anyway), or armed anew meanwhile
+        func, args = job
+        self.at(datetime.now(UTC) + timedelta(seconds=SKIPPED_RETRY), func, job_id=event.job_id,
+                args=args)
 
     def every(self, seconds: float, func: Callable[..., Any], *, job_id: str,
               first: float | datetime | None = None) -> None:
@@ -120,6 +142,7 @@ class Scheduler:
 
     def cancel(self, job_id: str) -> bool:
         """Remove a job; False if there was none."""
+        self._oneshots.pop(job_id, None)
         try:
             self._aps.remove_job(job_id)
         except JobLookupError:

@@ -3,12 +3,12 @@
 Two ways. With ``--fleet FILE`` (a fleet description: clusters, node counts per role, links,
 cache nodes, the origin's egress; see policies/topology/fleet-topology.example.yaml) and
 ``--size``: every node's slot as the daemon computes it, when it learns of the version (its
-first poll of ``latest`` after it appeared: half a poll interval later on average, the plan's
-figure, since where in its interval a daemon polls can't be known), where it fetches from (its
-cluster's cache once the cache holds the version, else the origin), and the links shared
-fairly, event by event. Per wave: the first start, the p50/p99/last finish, what the origin sent
-and its peak rate. Roles are the policy's: a role it doesn't know (in ``--roles`` or the fleet
-description) is refused, not planned after the last wave.
+first poll of ``latest`` after it appeared: a daemon polls at a phase of ``poll_interval``
+hashed from its node id, so the plan knows the time exactly, given ``--published``), where it
+fetches from (its cluster's cache once the cache holds the version, else the origin), and the
+links shared fairly, event by event. Per wave: the first start, the p50/p99/last finish, what
+the origin sent and its peak rate. Roles are the policy's: a role it doesn't know (in
+``--roles`` or the fleet description) is refused, not planned after the last wave.
 
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB --fetch 3GB   # an update

@@ -8,20 +8,19 @@ What each node does is what the daemon does:
   role's windows as ``agent.schedule.pull_allowed_at`` does; a pull that reaches the end of its
   window pauses and resumes at the next opening.
 * **When it learns of the version.** Every node polls ``{source}/{model}/latest`` every
-  ``poll_interval``. Sources are tried in order, the cluster's cache first: a cache node serves
-  ``latest`` naming a version only once it holds it completely (``agent.announce``), so a node
-  behind a cache learns of the version at its first poll after its cache has it. Cache nodes
-  poll the origin (they skip sources marked ``cache: true``), as does a node without a cache.
-  ``cold``: the caches have never announced a version of this model (its first version), so
-  ``latest`` 404s on them and every node learns from the origin. Where in its interval a daemon
-  polls is set by when it started and drifts with every step it takes: nothing the plan can
-  know. So the plan gives every node the expected start over a poll phase uniform in the
-  interval, ``E[max(slot, known + U * poll_interval)]`` (``expected_start``), and reports
-  ``learned`` as ``known + poll_interval / 2``. On the emulated fleet (tests/bench/fleet.py)
-  this is what decides a cache node's finish: its slot is within ``cache_spread`` of the
-  publication, inside its first poll interval. (A phase hashed from the node's id, as this plan
-  did before, put the same node at the same point of every interval, for every version: up to a
-  whole interval wrong, every time.)
+  ``poll_interval``, at a phase hashed from its id and the model (``agent.schedule.next_poll``,
+  the function the daemon uses): the plan knows each node's poll times exactly, counted from the
+  wall-clock time ``Rollout.published``. Sources are tried in order, the cluster's cache first:
+  a cache node serves ``latest`` naming a version only once it holds it completely
+  (``agent.announce``), so a node behind a cache learns of the version at its first poll time at
+  or after the moment its cache has it. Cache nodes poll the origin (they skip sources marked
+  ``cache: true``), as does a node without a cache, and learn of it at their first poll time at
+  or after the publication. ``cold``: the caches have never announced a version of this model
+  (its first version), so ``latest`` 404s on them and every node learns from the origin. A node
+  starts at its slot, or when it learned of the version if that is later. On the emulated fleet
+  (tests/bench/fleet.py) this is what decides a cache node's finish: its slot is within
+  ``cache_spread`` of the publication, inside its first poll interval. (A daemon's first poll
+  after it starts is at once; the plan assumes the daemons ran before the publication.)
 * **Its source**: its cache if the cache holds the version when the pull starts, else the
   origin, for the whole pull (the pull's streams stay with the source that answered).
 * **Its rate**: max-min fair sharing (what TCP flows sharing bottlenecks tend to) of the
@@ -147,6 +146,7 @@ class _Node:
     role: str
     frac: float
     slot: float                    # relative to publication
+    poll: float                    # its poll phase, relative to publication (poll_offset)
     cap: float                     # bytes/s
     home: int                      # the cache (index) it fetches from; -1: none
     cache: int                     # this node's own cache index, -1: not a cache node
@@ -160,17 +160,13 @@ def simulate_fleet(topology: Topology, policy: Policy, rollout: Rollout) -> Flee
     return sim.result()
 
 
-def expected_start(slot: float, known: float, poll: float) -> float:
-    """``E[max(slot, known + U * poll)]`` for U uniform on [0, 1): when a node that polls every
-    ``poll`` seconds, at a phase nobody knows, starts a version that appeared at ``known``."""
-    if poll <= 0:
-        return max(slot, known)
-    ahead = slot - known
-    if ahead >= poll:
-        return slot
-    if ahead <= 0:
-        return known + poll / 2
-    return known + (poll * poll + ahead * ahead) / (2 * poll)
+def poll_offset(node_id: str, rollout: Rollout, interval: float) -> float:
+    """The node's poll phase (``agent.schedule.poll_phase``, counted from the epoch) counted
+    from the publication instead: the simulation's times are seconds after it, and small
+    numbers keep the float precision the epoch's would lose."""
+    if interval <= 0:
+        return 0.0
+    return (schedule.poll_phase(node_id, rollout.model, interval) - rollout.published) % interval
 
 
 def _nodes(topology: Topology, policy: Policy, rollout: Rollout
@@ -191,11 +187,13 @@ def _nodes(topology: Topology, policy: Policy, rollout: Rollout
     caches: list[tuple[int, float]] = []
     slot_of = schedule.slot_from_fraction
     frac_of = schedule.offset_fraction
+    interval = policy.poll_interval
 
     def add(node_id: str, ci: int, role: str, link: int, home: int, cache: int) -> None:
         frac = frac_of(node_id, role, rollout.model, rollout.version)
         nodes.append(_Node(node_id, ci, role, frac, slot_of(0.0, frac, role, policy),
-                           min(link * eff, policy_cap), home, cache))
+                           poll_offset(node_id, rollout, interval), min(link * eff, policy_cap),
+                           home, cache))
 
     for ci, (name, c) in enumerate(topology.expanded()):
         clusters.append((name, c.link * eff if c.link is not None else INF))
@@ -419,12 +417,12 @@ class _Sim:
             self._flush()
 
     def _schedule(self, i: int, known: float) -> float | None:
-        """The node learns of the version at its first poll after ``known``: its expected start,
-        in its role's windows; None if they never open."""
+        """The node learns of the version at its first poll at or after ``known`` (its poll
+        times are known: ``agent.schedule.next_poll``): its start is its slot, or then if
+        later, in its role's windows; None if they never open."""
         n = self.nodes[i]
-        poll = self.policy.poll_interval
-        self.learned[i] = known + max(poll, 0.0) / 2
-        return self._allowed(n, expected_start(n.slot, known, poll))
+        learned = self.learned[i] = schedule.first_poll(known, n.poll, self.policy.poll_interval)
+        return self._allowed(n, max(n.slot, learned))
 
     def _allowed(self, n: _Node, due: float) -> float | None:
         """``schedule.pull_allowed_at``, on the role's precomputed spans."""

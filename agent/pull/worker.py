@@ -5,8 +5,10 @@ Each model is one job on the daemon's scheduler (``agent.scheduler``, APSchedule
 job is one :meth:`Worker.step`, which moves the model on as far as it can now and says when it
 wants its next look; the job is then armed for that time:
 
-1. know the target version: the policy's, or ``{source}/{model}/latest`` polled every
-   ``poll_interval`` (a failed poll keeps the last answer);
+1. know the target version: the policy's, or ``{source}/{model}/latest`` polled at once at
+   start, then at this node's poll times (``WorkerDeps.next_poll``: every ``poll_interval``, at
+   a phase hashed from the node's id, so the plan knows them too); a failed poll keeps the last
+   answer;
 2. done if the store already has it (a version directory appears only once complete);
 3. wait for this node's start: its wave slot (published + wave + per-node offset), at once if
    learned later, moved into its role's windows (``agent.schedule.start_at``): the job's next
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STALL_AFTER = 600.0
 QUEUED_RECHECK = 60.0          # a queued model looks again at least this often
+MIN_POLL_WAIT = 0.1            # a poll_interval under this (0: every look) polls no more often
 FAILED_STEP_RETRY = 10.0       # a step that raised (a bug) is tried again after this
 
 
@@ -78,6 +81,9 @@ class WorkerDeps:
     local_version: Callable[[Model], str | None]           # newest complete version in the store
     pull: PullFn
     evict: Callable[[], None]
+    # (model, polled at, poll_interval) -> this node's next poll of the model's `latest`, the
+    # first of its poll times after the poll at that time (agent.schedule.poll_after)
+    next_poll: Callable[[Model, float, float], float]
     # The version complete in the store for a model: made current (the pointer an inference
     # server loads), its hook run. Returns the hook's outcome for status, if one ran; raises
     # on failure (shown, retried at the next step).
@@ -288,27 +294,26 @@ class Worker:
         if st.retry_at is not None and now < st.retry_at:
             return st.retry_at - now
         version = model.version if model.version != "latest" else st.info.version
-        if model.version == "latest" and (st.resolved_at is None
-                                          or now - st.resolved_at >= self.policy.poll_interval):
+        if model.version == "latest" and self._poll_due(model, st, now):
             try:
                 with self._working(st, "resolving latest"):
                     version = d.resolve(model)
             except Exception as e:
-                st.resolved_at = now  # keep the last answer; poll again next interval
+                st.resolved_at = now  # keep the last answer; poll again at the next poll time
                 error = f"resolving latest: {e}"
                 if error != st.info.error:   # once per new error, not at every poll
                     log.warning("%s: %s", name, error)
                 self._set(st, error=error)
-                return self.policy.poll_interval
+                return self._until_poll(model, st, now)
             st.resolved_at = now
             if st.info.error and st.info.error.startswith("resolving latest"):
                 self._set(st, error=None)
         if version is None:
-            return self.policy.poll_interval
+            return self._until_poll(model, st, now)
         local = d.local_version(model)
         if d.have(model, version):
             self._set(st, version=version, state="done", local_version=local, streams=0)
-            return self._made_ready(model, st, version)
+            return self._made_ready(model, st, version, now)
         if st.published is None or st.published[0] != version:
             try:
                 with self._working(st, f"reading the manifest of {version}"):
@@ -332,7 +337,7 @@ class Worker:
         if self._paused:
             self._set(st, version=version, state="paused", slot_at=slot_at, starts_at=start_at,
                       local_version=local)
-            return self.policy.poll_interval
+            return self._until_poll(model, st, now)
         with self._lock:
             if len(self._pulling) >= self.policy.pulls.concurrent_models:
                 queued = True
@@ -404,7 +409,7 @@ class Worker:
         self._set(st, state="done", finished_at=d.clock(), streams=0, error=None,
                   local_version=version)
         log.info("pulled %s %s", model.name, version)
-        wait = self._made_ready(model, st, version)
+        wait = self._made_ready(model, st, version, d.clock())
         try:
             d.evict()
         except Exception as e:
@@ -412,10 +417,11 @@ class Worker:
             self._set(st, error=f"eviction: {e}")
         return wait
 
-    def _made_ready(self, model: Model, st: _ModelState, version: str) -> float:
-        """The version is complete: hand it to ``deps.ready`` once (current pointer, hook)."""
+    def _made_ready(self, model: Model, st: _ModelState, version: str, now: float) -> float:
+        """The version is complete: hand it to ``deps.ready`` once (current pointer, hook).
+        Returns seconds until the model's next look."""
         if st.ready == version:
-            return self.policy.poll_interval
+            return self._until_poll(model, st, now)
         try:
             hook = self.deps.ready(model, version)
         except Exception as e:
@@ -428,7 +434,27 @@ class Worker:
             self._set(st, on_ready=hook)
         if st.info.error and st.info.error.startswith("making "):
             self._set(st, error=None)
-        return self.policy.poll_interval
+        return self._until_poll(model, st, now)
+
+    # -- polls ----------------------------------------------------------------------------------
+    def _poll_due(self, model: Model, st: _ModelState, now: float) -> bool:
+        """Whether to poll ``latest`` now: at once after a start or a reload (a restarted
+        daemon doesn't wait up to an interval), then once one of this node's poll times has
+        come since the last poll."""
+        return st.resolved_at is None or self._next_poll(model, st.resolved_at) <= now
+
+    def _next_poll(self, model: Model, polled: float) -> float:
+        return self.deps.next_poll(model, polled, self.policy.poll_interval)
+
+    def _until_poll(self, model: Model, st: _ModelState, now: float) -> float:
+        """Seconds until the model's next look: its next poll time (a pinned model, which
+        doesn't poll, looks again every poll interval). Never negative, and at least
+        ``MIN_POLL_WAIT`` when the interval is shorter: an interval of 0 must not spin."""
+        interval = self.policy.poll_interval
+        if model.version != "latest" or st.resolved_at is None:
+            return max(interval, MIN_POLL_WAIT)
+        wait = max(0.0, self._next_poll(model, st.resolved_at) - now)
+        return max(wait, MIN_POLL_WAIT) if interval < MIN_POLL_WAIT else wait
 
     # -- state ----------------------------------------------------------------------------------
     @contextlib.contextmanager

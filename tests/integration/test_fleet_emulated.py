@@ -84,7 +84,8 @@ def test_emulated_fleet_with_caches(testbed):
         assert all(ratio < 2.5 for _, _, ratio in bound), bound
         acc = accuracy(fleet, v1, done)
         table("v1: finish after publication, predicted / measured / error", acc)
-        # loosely: a node's poll phase is unknown to the plan, up to an interval (1 s) off
+        # loosely (the bench holds the 20%): the plan knows each node's poll times, but a
+        # loaded CI machine moves a finish of a few seconds by more than that
         assert all(abs(pred - meas) < max(0.4 * meas, 2.0) for _, pred, meas, _ in acc), acc
 
         # -- CPU of idle daemons ---------------------------------------------------------------

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from agent import schedule
-from agent.fleet.simulate import Rollout, expected_start, simulate_fleet
+from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import parse_topology
 from agent.policy import parse_policy
 
@@ -91,28 +91,19 @@ clusters:
             continue
         cache = caches[n.cluster + "-cache-1"]
         assert n.source == cache.node and n.origin_bytes == 0
-        # learned at its first poll (1 s interval) after the cache had it: half an interval
-        # later on average, and its start the mean over where in the interval it polls
-        assert n.learned == pytest.approx(cache.done + 0.5)
-        assert n.start - PUB == pytest.approx(expected_start(n.slot - PUB, cache.done - PUB,
-                                                             1.0))
+        # learned at its first poll time (1 s interval, its own phase) once the cache had it
+        assert n.learned == pytest.approx(schedule.next_poll(cache.done, n.node, "model", 1.0),
+                                          abs=1e-6)
+        assert cache.done <= n.learned < cache.done + 1.0
+        assert n.start == pytest.approx(max(n.slot, n.learned), abs=1e-6)
     cache_wave = plan.waves[0]
     assert cache_wave.role == "cache" and cache_wave.origin_bytes == pytest.approx(400 * MB)
     assert all(w.from_cache == w.nodes for w in plan.waves[1:])
 
 
-def test_the_expected_start_is_the_mean_over_the_poll_phase():
-    rnd = random.Random(5)
-    for slot, known, poll in [(0.3, 0.0, 1.0), (1.6, 0.0, 1.0), (5.0, 4.5, 2.0), (0.0, 3.0, 1.0),
-                              (2.0, 2.0, 60.0), (7.0, 1.0, 0.0)]:
-        mean = (sum(max(slot, known + rnd.random() * poll) for _ in range(200_000)) / 200_000
-                if poll else max(slot, known))
-        assert expected_start(slot, known, poll) == pytest.approx(mean, abs=2e-3 * max(poll, 1))
-
-
-def test_a_cache_node_starts_at_its_slot_or_half_a_poll_interval_after_publication():
+def test_a_cache_node_starts_at_its_slot_or_at_its_first_poll_after_publication():
     # The daemon on a cache node learns of a version at its first poll of the origin's
-    # `latest`, somewhere in its interval; its slot is within cache_spread of publication.
+    # `latest`, at the phase its id sets; its slot is within cache_spread of publication.
     topo = fleet("""
 origin: {egress: 100mbit}
 clusters:
@@ -123,9 +114,33 @@ clusters:
         plan = simulate_fleet(topo, pol, Rollout(size=50 * MB, published=PUB))
         cache = next(n for n in plan.nodes if n.role == "cache")
         p = pol.poll_interval
-        assert cache.learned - PUB == pytest.approx(p / 2)
-        assert cache.start - PUB == pytest.approx(expected_start(cache.slot - PUB, 0.0, p))
+        polls = schedule.next_poll(PUB, cache.node, "model", p)
+        assert cache.learned == pytest.approx(polls, abs=1e-6)
+        assert cache.start == pytest.approx(max(cache.slot, polls), abs=1e-6)
         assert cache.done - cache.start == pytest.approx(4.0)      # 50 MB at 12.5 MB/s
+
+
+def test_each_node_learns_at_its_own_poll_time_whenever_the_version_is_published():
+    topo = fleet("""
+origin: {egress: 10gbit}
+clusters:
+  a: {node_link: 10gbit, nodes: {inference: 20}}
+""")
+    pol = policy(spread="0s", lead="0s", poll="60s")
+    for published in (PUB, PUB + 17.25, PUB + 59.999):
+        plan = simulate_fleet(topo, pol, Rollout(size=MB, published=published, model="llama"))
+        for n in plan.nodes:
+            phase = schedule.poll_phase(n.node, "llama", 60.0)
+            assert published <= n.learned < published + 60.0
+            k = (n.learned - phase) / 60.0
+            assert k == pytest.approx(round(k), abs=1e-7), n.node     # on the node's phase
+            assert n.start == pytest.approx(n.learned, abs=1e-6)      # slot at publication
+        assert len({round(n.learned, 3) for n in plan.nodes}) == 20
+    # a publication exactly on a node's poll time: it sees the version at that poll
+    first = plan.nodes[0]
+    on = schedule.next_poll(PUB, first.node, "llama", 60.0)
+    plan = simulate_fleet(topo, pol, Rollout(size=MB, published=on, model="llama"))
+    assert plan.nodes[0].learned == pytest.approx(on, abs=1e-6)
 
 
 def test_cold_caches_nodes_whose_slot_comes_first_fetch_from_the_origin():
@@ -253,12 +268,9 @@ def reference(topo, pol, rollout):
                  active=False, end=math.inf)
 
     def plan_start(n, known):
-        # the mean over a poll phase u uniform in [0, 1) of max(slot, known + u * poll)
-        if poll:
-            u0 = min(1.0, max(0.0, (n["slot"] - known) / poll))
-            due = n["slot"] * u0 + known * (1 - u0) + poll * (1 - u0 * u0) / 2
-        else:
-            due = max(n["slot"], known)
+        # the node's first poll at or after `known`, on the wall clock
+        learned = schedule.next_poll(PUB + known, n["id"], rollout.model, poll) - PUB
+        due = max(n["slot"], learned)
         s = schedule.pull_allowed_at(schedule.windows_for(pol, n["role"]), PUB + due,
                                      n["frac"], pol.waves.spread)
         if s is not None:

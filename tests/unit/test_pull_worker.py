@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from agent import schedule
 from agent.policy.model import Model, Policy, Pulls
-from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
+from agent.pull.worker import MIN_POLL_WAIT, Progress, WindowState, Worker, WorkerDeps
+from agent.schedule import poll_after
 from agent.scheduler import Scheduler
 from tests.waiting import wait_for
 
@@ -22,6 +24,15 @@ class World:
         self.evictions = 0
         self.fail = None
         self.block = None          # an Event the fake pull waits on (a pull in progress)
+        self.node_id = "node-a"
+        self.polls = []            # when `latest` was asked
+        self.resolve_error = None
+
+    def resolve(self, model):
+        self.polls.append(self.now)
+        if self.resolve_error:
+            raise RuntimeError(self.resolve_error)
+        return self.latest
 
     def deps(self):
         def pull(model, version, progress, stop):
@@ -43,7 +54,7 @@ class World:
 
         return WorkerDeps(
             clock=lambda: self.now,
-            resolve=lambda m: self.latest,
+            resolve=self.resolve,
             published=lambda m, v: 1000.0,
             schedule=schedule,
             window=lambda now: WindowState(self.window_open,
@@ -52,6 +63,8 @@ class World:
             local_version=lambda m: None,
             pull=pull,
             evict=lambda: setattr(self, "evictions", self.evictions + 1),
+            next_poll=lambda m, polled, interval: poll_after(polled, self.node_id, m.name,
+                                                             interval),
         )
 
 
@@ -79,10 +92,15 @@ def test_waits_for_slot_then_pulls_and_evicts():
     assert p.fetched_totals() == {"llama": 100}
     # a new latest is noticed at the next poll, not before
     w.latest = "v2"
-    w.now += 10
+    polled = w.polls[-1]
+    due = poll_after(polled, w.node_id, "llama", 300.0)
+    w.now = due - 0.5
     step_all(p)
-    assert p.snapshot()[0].version == "v1"
-    w.now += 400
+    assert p.snapshot()[0].version == "v1" and w.polls[-1] == polled
+    w.now = due
+    step_all(p)
+    assert w.polls[-1] == due and p.snapshot()[0].version == "v2"
+    w.now += 60
     step_all(p)
     assert w.pulled[-1] == ("llama", "v2")
 
@@ -104,6 +122,75 @@ def test_failure_is_reported_and_retried_later():
     step_all(p)
     assert w.pulled == [("llama", "v9")]
     assert p.snapshot()[0].error is None
+
+
+def test_polls_latest_at_once_then_at_the_nodes_poll_times():
+    w = World()
+    w.now = 1000.0               # started somewhere in an interval
+    w.installed.add(("llama", "v1"))
+    pol = Policy(models=(Model("llama"),), poll_interval=10.0)
+    p = Worker(pol, w.deps())
+    wait = step_all(p)
+    assert w.polls == [1000.0]   # at once: a restarted daemon doesn't wait for its phase
+    phase = schedule.poll_phase(w.node_id, "llama", 10.0)
+    for _ in range(5):
+        w.now += wait / 2        # a look in between (a wake, a reload of another model)
+        wait = step_all(p)
+        w.now += wait            # the job runs when the step said
+        wait = step_all(p)
+    polls = w.polls[1:]
+    assert len(polls) == 5
+    assert all(b - a == pytest.approx(10.0) for a, b in zip(polls, polls[1:], strict=False))
+    # every poll after the first is on the node's phase, whatever time it started
+    assert all(((t - phase) / 10.0) == pytest.approx(round((t - phase) / 10.0), abs=1e-9)
+               for t in polls)
+    assert 1000.0 < polls[0] <= 1010.0
+
+
+def test_nodes_started_together_poll_at_their_own_phases():
+    firsts = {}
+    for node in ("gpu-1", "gpu-2", "gpu-3"):
+        w = World()
+        w.node_id = node
+        w.installed.add(("llama", "v1"))
+        p = Worker(Policy(models=(Model("llama"),), poll_interval=10.0), w.deps())
+        w.now += step_all(p)
+        step_all(p)
+        firsts[node] = w.polls[1]
+        assert w.polls[0] == 1000.0
+        assert firsts[node] == schedule.next_poll(1000.0, node, "llama", 10.0)
+    assert len(set(firsts.values())) == 3
+
+
+def test_a_failed_poll_waits_for_the_next_poll_time_and_keeps_its_answer():
+    w = World()
+    w.installed.add(("llama", "v1"))
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=10.0), w.deps())
+    step_all(p)
+    w.now = poll_after(w.now, w.node_id, "llama", 10.0)
+    w.resolve_error = "origin said 503"
+    wait = step_all(p)
+    failed_at = w.now
+    assert wait == pytest.approx(10.0)          # the next poll time, an interval on
+    (info,) = p.snapshot()
+    assert "503" in info.error and info.version == "v1" and info.state == "done"
+    w.now += wait - 1
+    assert step_all(p) == pytest.approx(1.0)    # a look before it doesn't poll
+    assert w.polls[-1] == failed_at
+    w.now += 1
+    w.resolve_error = None
+    step_all(p)
+    assert w.polls[-1] == failed_at + 10.0 and p.snapshot()[0].error is None
+
+
+def test_a_poll_interval_of_zero_polls_at_every_look_without_spinning():
+    w = World()
+    w.installed.add(("llama", "v1"))
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=0.0), w.deps())
+    assert step_all(p) == MIN_POLL_WAIT
+    w.now += MIN_POLL_WAIT
+    assert step_all(p) == MIN_POLL_WAIT
+    assert w.polls == [1000.0, 1000.0 + MIN_POLL_WAIT]
 
 
 def test_closed_window_waits_and_pause_holds():

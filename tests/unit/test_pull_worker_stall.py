@@ -41,7 +41,8 @@ class World:
             clock=lambda: self.now, resolve=resolve, published=lambda m, v: 0.0,
             schedule=lambda m, v, pub, now: (0.0, 0.0), window=lambda now: WindowState(True),
             have=lambda m, v: False, local_version=lambda m: None, pull=pull,
-            evict=lambda: None, stall_after=lambda: LIMIT)
+            evict=lambda: None, next_poll=lambda m, polled, interval: polled + interval,
+            stall_after=lambda: LIMIT)
 
 
 def state(puller):

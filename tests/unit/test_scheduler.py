@@ -120,3 +120,37 @@ def test_every(make_scheduler):
     ticks = []
     s.every(0.05, lambda: ticks.append(1), job_id="poll", first=time.time())
     assert wait_for(lambda: len(ticks) >= 2)
+
+
+def test_a_job_that_rearms_itself_at_once_runs_again_after_its_run_returns(make_scheduler):
+    # APScheduler skips a job due while its last run still runs (max_instances 1) and drops a
+    # one-shot job it skipped: a model's job whose next poll is already due re-arms itself at
+    # once, and its run ends only after that.
+    s = make_scheduler()
+    runs: list[float] = []
+
+    def job() -> None:
+        runs.append(time.time())
+        if len(runs) < 3:
+            s.at(time.time(), job, job_id="model:x")
+            time.sleep(0.05)            # still running when the new one comes due
+
+    s.at(time.time(), job, job_id="model:x")
+    assert wait_for(lambda: len(runs) == 3)
+    assert wait_for(lambda: "model:x" not in s.jobs())
+
+
+def test_a_cancelled_job_skipped_meanwhile_stays_cancelled(make_scheduler):
+    s = make_scheduler()
+    runs: list[float] = []
+
+    def job() -> None:
+        runs.append(time.time())
+        s.at(time.time(), job, job_id="model:y")
+        s.cancel("model:y")
+        time.sleep(0.05)
+
+    s.at(time.time(), job, job_id="model:y")
+    assert wait_for(lambda: runs)
+    time.sleep(0.2)
+    assert len(runs) == 1 and "model:y" not in s.jobs()
