@@ -11,9 +11,13 @@ Three traps in APScheduler 3 are closed here:
   openings come from ``agent.cron`` and are scheduled as one-shot DateTrigger jobs, each
   re-armed for the following opening when it fires.
 * A one-shot job that re-arms itself to run at once (a model's job whose next poll is already
-  due) can come due before its current run has returned: APScheduler then skips it ("maximum
-  number of running instances reached") and, a DateTrigger having no next run, drops it for
-  good. A skipped one-shot job is armed again a moment later (``SKIPPED_RETRY``).
+  due, after a pull that took longer than the poll interval) can come due before its current
+  run has returned: APScheduler then skips it ("maximum number of running instances reached",
+  a warning in the journal) and, a DateTrigger having no next run, drops it for good. A job
+  that arms itself from its own run runs again within that run if it is due by the time the
+  run ends, and is added to APScheduler only then otherwise; one skipped all the same (armed
+  from another thread, or due a moment after it was added) is armed again a moment later
+  (``SKIPPED_RETRY``).
 
 Works with APScheduler 3.9.1 (Debian 12) and the newest 3.x. Times are POSIX seconds or aware
 datetimes; the scheduler runs in UTC.
@@ -26,6 +30,7 @@ datetimes; the scheduler runs in UTC.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -57,8 +62,12 @@ class Scheduler:
         self._pool = ThreadPoolExecutor(max_workers=workers)
         self._aps = BackgroundScheduler(
             timezone=UTC, job_defaults=defaults, executors={"default": self._pool})
+        self._lock = threading.Lock()
         # job id -> the one-shot job last armed under it, to arm again if it is skipped
         self._oneshots: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+        # job id -> the run it armed for itself, taken up when that run ends
+        self._deferred: dict[str, datetime] = {}
+        self._running = threading.local()      # .job: the one-shot job this thread runs
         self._aps.add_listener(self._skipped, EVENT_JOB_MAX_INSTANCES)
 
     def start(self) -> None:
@@ -83,10 +92,42 @@ class Scheduler:
     def at(self, when: float | datetime, func: Callable[..., Any], *, job_id: str,
            args: Iterable[Any] = ()) -> None:
         """Run ``func(*args)`` once at ``when`` (at once if already past); replaces ``job_id``."""
-        args = tuple(args)
-        self._oneshots[job_id] = (func, args)
-        self._aps.add_job(func, DateTrigger(run_date=_aware(when), timezone=UTC), args=list(args),
-                          id=job_id, name=job_id, replace_existing=True)
+        args, run_date = tuple(args), _aware(when)
+        with self._lock:
+            self._oneshots[job_id] = (func, args)
+            if getattr(self._running, "job", None) == job_id:
+                self._deferred[job_id] = run_date
+                return
+            self._deferred.pop(job_id, None)
+        self._add_oneshot(job_id, run_date, func, args)
+
+    def _add_oneshot(self, job_id: str, run_date: datetime, func: Callable[..., Any],
+                     args: tuple[Any, ...]) -> None:
+        self._aps.add_job(self._run_oneshot, DateTrigger(run_date=run_date, timezone=UTC),
+                          args=[job_id, func, *args], id=job_id, name=job_id,
+                          replace_existing=True)
+
+    def _run_oneshot(self, job_id: str, func: Callable[..., Any], *args: Any) -> None:
+        """Runs the job; then the run it armed for itself: at once, in this same run, if it is
+        due already, else added to APScheduler now that nothing of this run is left to do."""
+        while True:
+            self._running.job = job_id
+            try:
+                func(*args)
+            finally:
+                self._running.job = None
+            with self._lock:
+                run_date = self._deferred.pop(job_id, None)
+                job = self._oneshots.get(job_id)
+            if run_date is None or job is None or not self._aps.running:
+                return
+            func, args = job
+            if run_date > datetime.now(UTC):
+                # Added from this thread, not from a listener of the run's end: APScheduler can
+                # call that on its own thread, inside the loop that then removes the finished
+                # one-shot job, the new one with it.
+                self._add_oneshot(job_id, run_date, func, tuple(args))
+                return
 
     def _skipped(self, event: JobSubmissionEvent) -> None:
         """A one-shot job came due while its previous run still ran (it armed itself as it
@@ -142,17 +183,23 @@ class Scheduler:
 
     def cancel(self, job_id: str) -> bool:
         """Remove a job; False if there was none."""
-        self._oneshots.pop(job_id, None)
+        with self._lock:
+            self._oneshots.pop(job_id, None)
+            deferred = self._deferred.pop(job_id, None) is not None
         try:
             self._aps.remove_job(job_id)
         except JobLookupError:
-            return False
+            return deferred
         return True
 
     def jobs(self) -> dict[str, float | None]:
         """job id -> next run (POSIX seconds), for status and tests."""
-        return {j.id: (j.next_run_time.timestamp() if j.next_run_time else None)
-                for j in self._aps.get_jobs()}
+        out: dict[str, float | None] = {
+            j.id: (j.next_run_time.timestamp() if j.next_run_time else None)
+            for j in self._aps.get_jobs()}
+        with self._lock:
+            out.update((k, v.timestamp()) for k, v in self._deferred.items())
+        return out
 
 
 def _aware(when: float | datetime) -> datetime:

@@ -6,6 +6,7 @@ unit tests under both: PYTHONPATH=. /usr/bin/python3 -m pytest -p no:cacheprovid
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -138,6 +139,48 @@ def test_a_job_that_rearms_itself_at_once_runs_again_after_its_run_returns(make_
     s.at(time.time(), job, job_id="model:x")
     assert wait_for(lambda: len(runs) == 3)
     assert wait_for(lambda: "model:x" not in s.jobs())
+
+
+def test_a_job_armed_from_its_own_run_is_added_when_the_run_returns(make_scheduler, caplog):
+    # ... not added at once and skipped: APScheduler's skip is a warning in the journal after
+    # every pull that outlasted the poll interval
+    s = make_scheduler()
+    runs: list[float] = []
+    seen: list[dict[str, float | None]] = []
+
+    def job() -> None:
+        runs.append(time.time())
+        if len(runs) < 3:
+            s.at(time.time(), job, job_id="model:z")
+            seen.append(s.jobs())           # the next run shows while this one still runs
+            time.sleep(0.05)
+
+    with caplog.at_level(logging.WARNING, logger="apscheduler"):
+        s.at(time.time(), job, job_id="model:z")
+        assert wait_for(lambda: len(runs) == 3)
+    assert all("model:z" in j for j in seen)
+    assert runs[1] - runs[0] >= 0.05 and runs[2] - runs[1] >= 0.05
+    assert not [r for r in caplog.records if "maximum number of running" in r.getMessage()]
+
+
+def test_a_job_armed_by_another_thread_while_it_runs_still_runs_again(make_scheduler):
+    # a reload re-arms a model's job while a step of it runs: APScheduler skips the new run,
+    # which is armed again until the step has returned
+    s = make_scheduler()
+    runs: list[float] = []
+    started = threading.Event()
+
+    def job() -> None:
+        runs.append(time.time())
+        started.set()
+        if len(runs) == 1:
+            time.sleep(0.1)
+
+    s.at(time.time(), job, job_id="model:w")
+    assert started.wait(5)
+    s.at(time.time(), job, job_id="model:w")
+    assert wait_for(lambda: len(runs) == 2)
+    assert runs[1] - runs[0] >= 0.1
 
 
 def test_a_cancelled_job_skipped_meanwhile_stays_cancelled(make_scheduler):
