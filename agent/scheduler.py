@@ -114,20 +114,31 @@ class Scheduler:
             self._running.job = job_id
             try:
                 func(*args)
-            finally:
+            except BaseException:
                 self._running.job = None
-            with self._lock:
-                run_date = self._deferred.pop(job_id, None)
-                job = self._oneshots.get(job_id)
-            if run_date is None or job is None or not self._aps.running:
+                self._take_deferred(job_id, inline=False)   # a job that raised keeps its next run
+                raise
+            self._running.job = None
+            again = self._take_deferred(job_id, inline=True)
+            if again is None:
                 return
-            func, args = job
-            if run_date > datetime.now(UTC):
-                # Added from this thread, not from a listener of the run's end: APScheduler can
-                # call that on its own thread, inside the loop that then removes the finished
-                # one-shot job, the new one with it.
-                self._add_oneshot(job_id, run_date, func, tuple(args))
-                return
+            func, args = again
+
+    def _take_deferred(self, job_id: str, inline: bool
+                       ) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+        """The run a job armed for itself, as its run ends: returned to run now (``inline``
+        and due), else added to APScheduler. Added from the run's own thread, not from a
+        listener of its end: APScheduler can call that on its own thread, inside the loop that
+        then removes the finished one-shot job, the new one with it."""
+        with self._lock:
+            run_date = self._deferred.pop(job_id, None)
+            job = self._oneshots.get(job_id)
+        if run_date is None or job is None or not self._aps.running:
+            return None
+        if inline and run_date <= datetime.now(UTC):
+            return job
+        self._add_oneshot(job_id, run_date, *job)
+        return None
 
     def _skipped(self, event: JobSubmissionEvent) -> None:
         """A one-shot job came due while its previous run still ran (it armed itself as it

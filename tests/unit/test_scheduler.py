@@ -163,6 +163,20 @@ def test_a_job_armed_from_its_own_run_is_added_when_the_run_returns(make_schedul
     assert not [r for r in caplog.records if "maximum number of running" in r.getMessage()]
 
 
+def test_a_job_that_raises_after_arming_itself_still_runs_again(make_scheduler):
+    s = make_scheduler()
+    runs: list[float] = []
+
+    def job() -> None:
+        runs.append(time.time())
+        if len(runs) < 3:
+            s.at(time.time(), job, job_id="window:x")
+            raise RuntimeError("the window's action failed")
+
+    s.at(time.time(), job, job_id="window:x")
+    assert wait_for(lambda: len(runs) == 3)
+
+
 def test_a_job_armed_by_another_thread_while_it_runs_still_runs_again(make_scheduler):
     # a reload re-arms a model's job while a step of it runs: APScheduler skips the new run,
     # which is armed again until the step has returned
