@@ -141,9 +141,10 @@ class Scheduler:
         return None
 
     def _skipped(self, event: JobSubmissionEvent) -> None:
-        """A one-shot job came due while its previous run still ran (it armed itself as it
-        ended) and APScheduler dropped it: armed again a moment later, and again while that run
-        still hasn't returned, since here a job runs however late (the module's docstring)."""
+        """A one-shot job came due while its previous run still ran and APScheduler dropped it
+        (another thread armed it then, or a run armed itself a moment ahead and came due before
+        it had returned): armed again a moment later, and again while that run still hasn't
+        returned, since here a job runs however late (the module's docstring)."""
         job = self._oneshots.get(event.job_id)
         if job is None or not self._aps.running or self._aps.get_job(event.job_id) is not None:
             return      # an interval job (it runs again anyway), or armed anew meanwhile
