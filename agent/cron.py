@@ -15,8 +15,11 @@ datetime.datetime(2026, 12, 7, 22, 0, tzinfo=datetime.timezone.utc)
 
 from __future__ import annotations
 
+import bisect
+import calendar
+import functools
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, date, datetime, timedelta, tzinfo
 
 MACROS = {
     "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
@@ -28,6 +31,9 @@ WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 # How far next_match looks before it declares that an expression never fires: 29 February on a
 # given weekday can take 28 years to come round.
 HORIZON_YEARS = 28
+# How long after a spring change the skipped hour's matches can land (on the old offset): the
+# largest jump of a zone's offset, with margin.
+SPRING_REACH = timedelta(hours=3)
 FORMS = "five fields 'minute hour day-of-month month day-of-week', e.g. '0 22 * * mon-fri', " \
     "'*/15 * * * *', '30 1 * * sat,sun', or @daily/@hourly/@weekly"
 
@@ -67,6 +73,11 @@ class CronSpec:
     days_star: bool                   # day-of-month field starts with '*'
     weekdays_star: bool
 
+    def __hash__(self) -> int:
+        # the text decides the sets, and is cheap to hash: window arithmetic looks specs up in
+        # caches many times a call
+        return hash(self.text)
+
     def matches(self, t: datetime, tz: tzinfo = UTC) -> bool:
         """Whether minute ``t`` is a match, read on the wall clock of ``tz``."""
         t = t.astimezone(tz)
@@ -84,6 +95,10 @@ class CronSpec:
 
         None if the expression never fires (e.g. ``0 0 30 2 *``). Jumps field by field, so a
         call costs a few dozen steps, not one per minute.
+
+        The skipped hour's matches land just after a spring change, among the first matches of
+        the new offset: there the wall clock's order is not time's, and both sides are searched
+        so that the earliest match is the one returned, whatever ``after``.
         """
         after = after.astimezone(UTC)
         t = after.astimezone(tz).replace(tzinfo=None)     # wall clock, stepped naively
@@ -91,6 +106,30 @@ class CronSpec:
         t = t.replace(second=0, microsecond=0)
         if not (inclusive and exact):
             t += timedelta(minutes=1)
+        at = self._search(t, after, inclusive, tz)
+        if tz is UTC:
+            return at
+        before, now_off = _utcoffset(after - SPRING_REACH, tz), _utcoffset(after, tz)
+        if before < now_off:
+            # just after a spring change: the skipped hour's matches, on the old offset, sit
+            # before the wall clock's reading of ``after``
+            start = (after + before).replace(tzinfo=None, second=0, microsecond=0)
+            at = _earliest(at, self._search(start, after, inclusive, tz))
+        if at is not None:
+            wall = at.astimezone(tz).replace(tzinfo=None)
+            if _utcoffset(at - SPRING_REACH, tz) < _utcoffset(at, tz):
+                # ``at`` is just after a spring change (maybe a skipped wall time): the new
+                # offset's first wall times can map to earlier instants
+                change = _change_between(at - SPRING_REACH, at, tz)
+                start = max(after, change).astimezone(tz).replace(tzinfo=None)
+                start = start.replace(second=0, microsecond=0)
+                if start < wall:
+                    at = _earliest(at, self._search(start, after, inclusive, tz))
+        return at
+
+    def _search(self, t: datetime, after: datetime, inclusive: bool,
+                tz: tzinfo) -> datetime | None:
+        """The first match, in wall order from naive wall minute ``t``, after ``after``."""
         while True:
             wall = self._next_wall(t)
             if wall is None:
@@ -109,7 +148,14 @@ class CronSpec:
                 t = _next_month(t)
                 continue
             if not self._day_ok(t):
-                t = (t + timedelta(days=1)).replace(hour=0, minute=0)
+                # the next matching day of this month, else the month's end: one step, not one
+                # per day (29 February on a weekday would otherwise walk years day by day)
+                days = month_days(self, t.year, t.month)
+                i = bisect.bisect_right(days, t.day)
+                if i < len(days):
+                    t = t.replace(day=days[i], hour=0, minute=0)
+                else:
+                    t = _next_month(t)
                 continue
             if t.hour not in self.hours:
                 later = [h for h in self.hours if h > t.hour]
@@ -132,12 +178,27 @@ class CronSpec:
         """Whether the expression ever matches (``0 0 31 2 *`` never does)."""
         return self.next_match(datetime(2000, 1, 1, tzinfo=UTC)) is not None
 
-    def _day_ok(self, t: datetime) -> bool:
+    def day_seconds(self) -> tuple[int, ...]:
+        """The seconds after midnight at which a matching day matches, in order: the same
+        for every matching day, as the minute and hour fields don't depend on the day."""
+        return tuple(sorted(h * 3600 + m * 60 for h in self.hours for m in self.minutes))
+
+    def _day_ok(self, t: date) -> bool:
         dom = t.day in self.days
         dow = (t.isoweekday() % 7) in self.weekdays
         if self.days_star or self.weekdays_star:
             return dom and dow
         return dom or dow
+
+
+@functools.lru_cache(maxsize=4096)
+def month_days(spec: CronSpec, year: int, month: int) -> tuple[int, ...]:
+    """The days of ``year``-``month`` on which ``spec`` matches, in order (empty if the month
+    field excludes it). Cached: window arithmetic walks a year month by month, not day by day."""
+    if month not in spec.months:
+        return ()
+    n = calendar.monthrange(year, month)[1]
+    return tuple(d for d in range(1, n + 1) if spec._day_ok(date(year, month, d)))
 
 
 def parse_cron(text: str) -> CronSpec:
@@ -194,6 +255,23 @@ def _value(token: str, f: _Field, text: str) -> int:
     if not f.low <= value <= f.high:
         raise CronError(f"cron {text!r}: {f.name} {value} is out of range {f.low}-{f.high}")
     return value
+
+
+def _utcoffset(t: datetime, tz: tzinfo) -> timedelta:
+    return t.astimezone(tz).utcoffset() or timedelta(0)
+
+
+def _change_between(lo: datetime, hi: datetime, tz: tzinfo) -> datetime:
+    """The instant in (lo, hi] at which ``tz``'s offset changes (it differs at the two ends)."""
+    off = _utcoffset(lo, tz)
+    while hi - lo > timedelta(seconds=1):
+        mid = lo + (hi - lo) / 2
+        lo, hi = (mid, hi) if _utcoffset(mid, tz) == off else (lo, mid)
+    return hi.replace(microsecond=0) if hi.microsecond else hi
+
+
+def _earliest(a: datetime | None, b: datetime | None) -> datetime | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _next_month(t: datetime) -> datetime:

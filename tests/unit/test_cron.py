@@ -146,3 +146,50 @@ def test_daylight_saving_changes_skip_nothing_and_repeat_nothing():
         t = every.next_match(t, tz=berlin)
         seen.append(t)
     assert seen == sorted(set(seen))                  # strictly forward, never twice
+
+
+def test_a_skipped_hours_match_is_found_from_just_after_the_change():
+    from zoneinfo import ZoneInfo
+    berlin = ZoneInfo("Europe/Berlin")
+    # 02:30 on 29 March 2026 is 01:30 UTC (on CET). From 01:10 UTC the wall clock reads 03:10
+    # CEST, past 02:30: it used to answer the next night, hiding that night's window.
+    spec = parse_cron("30 2 * * *")
+    assert spec.next_match(dt(2026, 3, 29, 1, 10), tz=berlin) == dt(2026, 3, 29, 1, 30)
+    assert spec.next_match(dt(2026, 3, 29, 1, 30), tz=berlin) == dt(2026, 3, 30, 0, 30)
+
+
+def test_lord_howes_half_hour_change_interleaves_and_the_earliest_comes_first():
+    from zoneinfo import ZoneInfo
+    howe = ZoneInfo("Australia/Lord_Howe")
+    # 4 October 2026, 02:00 +10:30 becomes 02:30 +11 (15:30 UTC): 02:10 doesn't exist and
+    # lands at 15:40 UTC, after 02:35 (15:35 UTC), though it comes first on the wall.
+    spec = parse_cron("10,35 2 * * *")
+    assert spec.next_match(dt(2026, 10, 3, 15, 0), tz=howe) == dt(2026, 10, 3, 15, 35)
+    assert spec.next_match(dt(2026, 10, 3, 15, 35), tz=howe) == dt(2026, 10, 3, 15, 40)
+
+
+@pytest.mark.parametrize("zone,day", [("Europe/Berlin", (2026, 3, 29)),
+                                      ("Europe/Berlin", (2026, 10, 25)),
+                                      ("America/New_York", (2026, 3, 8)),
+                                      ("Australia/Lord_Howe", (2026, 10, 4)),
+                                      ("Australia/Lord_Howe", (2026, 4, 5))])
+@pytest.mark.parametrize("text", ["30 2 * * *", "*/20 * * * *", "10,35 1-3 * * *",
+                                  "59 2 * * *", "0 3 * * *"])
+def test_next_match_is_the_earliest_match_around_a_change(zone, day, text):
+    """Every wall minute of three days, mapped as documented (fold=0), against next_match from
+    every 90 s of the hours around the change."""
+    from zoneinfo import ZoneInfo
+    tz, spec = ZoneInfo(zone), parse_cron(text)
+    wall = datetime(*day) - timedelta(days=1)
+    matches = set()
+    for _ in range(3 * 1440):
+        if spec.matches(wall.replace(tzinfo=UTC)):         # the fields, read on the naive wall
+            matches.add(wall.replace(tzinfo=tz, fold=0).astimezone(UTC))
+        wall += timedelta(minutes=1)
+    after = datetime(*day, tzinfo=tz).astimezone(UTC) - timedelta(hours=2)
+    while after < datetime(*day, tzinfo=tz).astimezone(UTC) + timedelta(hours=8):
+        want = min(m for m in matches if m > after)
+        assert spec.next_match(after, tz=tz) == want, after
+        assert spec.next_match(after, inclusive=True, tz=tz) == \
+            (after if after in matches else want), after
+        after += timedelta(seconds=90)

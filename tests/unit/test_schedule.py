@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 from datetime import UTC, datetime
+
+import pytest
 
 from agent.policy import parse_policy
 from agent.policy.model import Policy, Role, Waves, Window
@@ -19,6 +22,7 @@ from agent.schedule import (
     wave_index,
     windows_for,
 )
+from tests.schedule_reference import reference_open_until
 
 POLICY = parse_policy("""\
 version: 1
@@ -206,3 +210,138 @@ def test_an_unknown_time_zone_is_a_file_line_error():
     with _pytest.raises(PolicyError) as e:
         parse_policy("version: 1\nroles: {}\ntimezone: Mars/Olympus_Mons\n", "p.yaml")
     assert "p.yaml:3: timezone 'Mars/Olympus_Mons'" in str(e.value)
+
+
+# -- window arithmetic against the span-by-span reference -----------------------------------
+# open_until walks runs of joined windows (agent/schedule.py, _chain_end); the reference
+# (tests/schedule_reference.py) is the walk it replaced, exact and slow: it runs on short
+# horizons, or from a time just before where a long chain ends.
+
+FIELDS = (["*", "0", "*/5", "*/15", "0,30", "10-50/20", "59", "*/7", "0-29"],
+          ["*", "0", "22", "*/2", "1-23/2", "2", "3", "0-11", "12-23", "8-18", "*/6", "2,3"],
+          ["*", "*", "*", "1-15", "1", "*/2", "28-31", "29"],
+          ["*", "*", "*", "1-11", "3,10", "2", "*/3"],
+          ["*", "*", "*", "mon-fri", "sat,sun", "sat", "0", "1-5/2"])
+ZONES = ["UTC", "UTC", "Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "Asia/Kolkata"]
+LENGTHS = [60, 300, 600, 3600, 3660, 7200, 8 * 3600, 86400, 90000, 2 * 86400, 4 * 86400, 30]
+# daylight-saving changes of those zones in 2026, UTC: nows are drawn around them too
+CHANGES = [ts(2026, 3, 29, 1), ts(2026, 10, 25, 1), ts(2026, 3, 8, 7), ts(2026, 11, 1, 6),
+           ts(2026, 4, 4, 15), ts(2026, 10, 3, 15, 30)]
+
+
+def random_case(rng):
+    same = rng.choice(ZONES) if rng.random() < 0.8 else None    # a policy has one zone
+    windows = tuple(
+        Window(" ".join(rng.choice(f) for f in FIELDS),
+               float(rng.choice(LENGTHS) if rng.random() < 0.8 else rng.randint(1, 3 * 86400)),
+               same or rng.choice(ZONES))
+        for _ in range(rng.randint(1, 3)))
+    if rng.random() < 0.4:
+        now = rng.choice(CHANGES) + rng.uniform(-3 * 86400, 3 * 86400)
+    else:
+        now = ts(2026, 1, 1) + rng.uniform(0, 400 * 86400)
+    if rng.random() < 0.5:
+        now = 60.0 * round(now / 60)                  # on a minute: spans that just touch
+    return windows, now, rng.choice([3600.0, 86400.0, 5 * 86400.0])
+
+
+def test_open_until_matches_the_span_by_span_reference_on_random_windows():
+    for seed in range(250):
+        windows, now, horizon = random_case(random.Random(seed))
+        want = min(reference_open_until(windows, now, horizon), now + horizon)
+        assert open_until(windows, now, horizon) == want, (seed, windows, now, horizon)
+
+
+def test_pull_allowed_at_matches_the_reference_on_random_windows():
+    for seed in range(1000, 1100):
+        rng = random.Random(seed)
+        windows, now, _ = random_case(rng)
+        frac = rng.random()
+        opening = next_opening(windows, now)
+        if opening is None or opening == now:
+            want = opening
+        else:
+            # a horizon of 5 days is as good as 400 here: the spread (20 min) is shorter
+            length = min(reference_open_until(windows, opening, 5 * 86400.0),
+                         opening + 5 * 86400.0) - opening
+            want = opening + frac * min(1200.0, length)
+        assert pull_allowed_at(windows, now, frac, 1200.0) == want, (seed, windows, now)
+
+
+ALWAYS = [(Window("* * * * *", 60.0),), (Window("*/5 * * * *", 300.0),),
+          (Window("0 * * * *", 3660.0),),
+          (Window("0 0-11 * * *", 3600.0), Window("0 12-23 * * *", 3600.0)),   # jointly
+          (Window("0 0 * * *", 86400.0),),
+          (Window("0 0 * * mon-fri", 3 * 86400.0),)]                          # over weekends
+
+
+@pytest.mark.parametrize("windows", ALWAYS, ids=lambda ws: " + ".join(
+    f"{w.cron} {w.duration:.0f}s" for w in ws))
+def test_windows_that_join_up_for_ever_are_open_to_the_horizon(windows):
+    now = ts(2026, 12, 2, 12, 0, 30)
+    assert is_open(windows, now)
+    assert open_until(windows, now) == now + 400 * 86400
+    assert open_until(windows, now, horizon=366 * 86400) == now + 366 * 86400
+    assert pull_allowed_at(windows, now) == now
+    # the same from the reference, over a horizon it can afford
+    assert reference_open_until(windows, now, 3 * 86400) == open_until(windows, now, 3 * 86400)
+
+
+@pytest.mark.parametrize("windows,now,near,closes", [
+    # every minute in Berlin: the hour repeated in autumn isn't matched twice, so the last
+    # match is 02:59 CEST (00:59 UTC) and the next 03:00 CET (02:00 UTC): closed for an hour
+    ((Window("* * * * *", 60.0, "Europe/Berlin"),), ts(2026, 6, 1, 12), ts(2026, 10, 24, 12),
+     ts(2026, 10, 25, 1, 0)),
+    ((Window("0 * * * *", 3660.0, "Europe/Berlin"),), ts(2026, 6, 1, 12), ts(2026, 10, 24, 12),
+     ts(2026, 10, 25, 1, 1)),
+    # a night window in Berlin joined to a day window in UTC: one chain all winter, broken
+    # when Berlin's night moves an hour earlier in spring (20:00-04:00 UTC, then 05:00-21:00)
+    ((Window("0 22 * * *", 8 * 3600.0, "Europe/Berlin"), Window("0 5 * * *", 16 * 3600.0)),
+     ts(2026, 11, 2, 12), ts(2027, 3, 27, 12), ts(2027, 3, 29, 4, 0)),
+    # all weekdays but not in December: the chain runs to the last day of November
+    ((Window("* * * 1-11 *", 60.0),), ts(2026, 1, 1, 1), ts(2026, 11, 29), ts(2026, 12, 1)),
+])
+def test_long_chains_end_where_the_reference_says(windows, now, near, closes):
+    assert reference_open_until(windows, near) == closes       # cheap from just before
+    assert open_until(windows, now) == closes                  # the whole chain, at once
+    assert open_until(windows, near) == closes
+
+
+def test_windows_that_never_open_cost_no_search():
+    never = (Window("0 0 30 2 *", 3600.0), Window("0 0 31 apr *", 60.0))
+    now = ts(2026, 12, 2, 12)
+    assert not is_open(never, now) and next_opening(never, now) is None
+    assert open_until(never, now) == now and pull_allowed_at(never, now) is None
+    mixed = never + (Window("0 22 * * mon-fri", 8 * 3600.0),)
+    assert open_until(mixed, ts(2026, 12, 3, 1)) == ts(2026, 12, 3, 6)
+
+
+def test_window_arithmetic_takes_runs_not_cron_steps(monkeypatch):
+    """What the daemon asks every second (status) and every worker step, counted in cron
+    steps, not timed: the old walk made 576,000 of them for "* * * * *" 1m."""
+    from agent.cron import CronSpec
+    calls = []
+    real = CronSpec.next_match
+    monkeypatch.setattr(CronSpec, "next_match", lambda self, *a, **k: (
+        calls.append(self.text), real(self, *a, **k))[1])
+    now = ts(2026, 12, 2, 12, 0, 30)
+    for windows in ALWAYS + [TRAINING, (Window("* * * * *", 60.0, "Europe/Berlin"),)]:
+        calls.clear()
+        if is_open(windows, now):
+            open_until(windows, now, horizon=366 * 86400)
+        else:
+            next_opening(windows, now)
+        pull_allowed_at(windows, now + 7 * 3600, 0.5, 1200.0)
+        assert len(calls) <= 6 * len(windows), (windows, len(calls))
+
+
+def test_a_slot_past_what_a_calendar_holds_never_comes():
+    """A publisher's `--published 9999-12-31T23:59:59Z` plus a wave's delay is after year 9999:
+    the windows can't be read there; the start is None (never), not a ValueError."""
+    from agent import schedule
+    far = 253402300799.0
+    windowed = Policy(roles=(Role("training", hosts=("*",), windows=(
+        Window("0 22 * * *", 3600.0),)),))
+    for policy in (Policy(), windowed):
+        assert schedule.start_at(far, 0.0, "n", "training", "m", "v", policy) is None
+    assert schedule.start_at(1e9, 1e9, "n", "training", "m", "v", Policy()) is not None
