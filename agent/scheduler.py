@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1}
 SKIPPED_RETRY = 0.01           # s: a one-shot job skipped while its last run returns, again
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)   # the latest time a job is armed for (``_aware``)
 
 
 class Scheduler:
@@ -215,6 +216,11 @@ class Scheduler:
 
 
 def _aware(when: float | datetime) -> datetime:
+    """``when`` as an aware datetime; a time past what a datetime holds (a far-future
+    publication plus a wave's delay lands after year 9999) is clamped to ``LATEST``: a job
+    armed for then never runs, but arming it never raises inside a run that must re-arm."""
     if isinstance(when, datetime):
         return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-    return datetime.fromtimestamp(when, UTC)
+    if not when < LATEST.timestamp():          # NaN and infinity included
+        return LATEST
+    return datetime.fromtimestamp(max(when, 0.0), UTC)

@@ -46,6 +46,12 @@ DEFAULT_STALL_AFTER = 600.0
 QUEUED_RECHECK = 60.0          # a queued model looks again at least this often
 MIN_POLL_WAIT = 0.1            # a poll_interval under this (0: every look) polls no more often
 FAILED_STEP_RETRY = 10.0       # a step that raised (a bug) is tried again after this
+# Polls of `latest` that failed in a row before the model shows as failed: one lost poll is a
+# blip; three (15 min at the default interval) is a node that can't follow its model.
+RESOLVE_FAILURES_FAILED = 3
+# The longest a model's job sleeps: a slot or window years ahead (a publisher's far-future
+# `published`) is looked at again daily, never handed to the scheduler as a time it can't hold.
+MAX_WAIT = 86400.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class _Busy:
 class _ModelState:
     info: PullInfo
     resolved_at: float | None = None
+    resolve_failures: int = 0       # polls of `latest` failed in a row
     retry_at: float | None = None
     failures: int = 0
     published: tuple[str, float] | None = None   # (version, its publication time)
@@ -270,7 +277,16 @@ class Worker:
                 self._rerun.discard(name)
                 wait = 0.0
             if not self._stopped and name in self._states:
-                self._arm(name, self.deps.clock() + max(0.0, wait))
+                try:
+                    self._arm(name, self.deps.clock() + min(max(0.0, wait), MAX_WAIT))
+                except Exception as e:
+                    # A job that can't be armed is a model that never looks again: keep it
+                    # (a retry), and say why in status, which makes the daemon degraded.
+                    log.exception("arming the job of %s failed", name)
+                    if st is not None:
+                        st.step_error = f"scheduling the next look at {name} failed " \
+                                        f"(retrying): {e}"
+                    self._arm(name, self.deps.clock() + FAILED_STEP_RETRY)
 
     def _arm(self, name: str, when: float) -> None:
         """(Under self._lock.) The model's job runs next at ``when``."""
@@ -300,12 +316,20 @@ class Worker:
                     version = d.resolve(model)
             except Exception as e:
                 st.resolved_at = now  # keep the last answer; poll again at the next poll time
+                st.resolve_failures += 1
                 error = f"resolving latest: {e}"
                 if error != st.info.error:   # once per new error, not at every poll
                     log.warning("%s: %s", name, error)
-                self._set(st, error=error)
+                if st.resolve_failures >= RESOLVE_FAILURES_FAILED:
+                    # No source answered (or each named a version that can't be one, like
+                    # `current`) poll after poll: the node can't follow the model any more, which
+                    # status must show (degraded), not a blip to ride out.
+                    self._set(st, error=error, state="failed")
+                else:
+                    self._set(st, error=error)
                 return self._until_poll(model, st, now)
             st.resolved_at = now
+            st.resolve_failures = 0
             if st.info.error and st.info.error.startswith("resolving latest"):
                 self._set(st, error=None)
         if version is None:
@@ -329,7 +353,13 @@ class Worker:
             state = "waiting_slot" if now < slot_at or window.open else "waiting_window"
             self._set(st, version=version, state=state, slot_at=slot_at, starts_at=start_at,
                       local_version=local)
-            return (start_at - now) if start_at is not None else 3600.0
+            # A model that follows `latest` keeps polling while it waits: a version published
+            # for a far future (or with a slot behind a window that never opens) must not hide
+            # the next one `latest` names.
+            wait = (start_at - now) if start_at is not None else MAX_WAIT
+            if model.version == "latest":
+                wait = min(wait, self._until_poll(model, st, now))
+            return min(wait, MAX_WAIT)
         if not d.window(now).open:   # start_at is inside a window; this guards a clock jump
             self._set(st, version=version, state="waiting_window", slot_at=slot_at,
                       starts_at=start_at, local_version=local)

@@ -45,7 +45,8 @@ def test_reload_moves_the_cap_in_place_then_sweeps_shaping(testbed):
         r = reload(node)
         assert r.returncode == 0, r.stderr
         code, doc = status(node)
-        assert code == 0 and doc["policy"]["reloads"] == 1
+        # running (its source, 192.0.2.1, never answers: polls failing in a row make it degraded)
+        assert code in (0, 1) and doc["policy"]["reloads"] == 1
         assert doc["shaping"]["cap_bps"] == 20_000_000
         assert doc["backoff"]["cap_bps"] == 20_000_000
         classes = h.run(["tc", "class", "show", "dev", ifb]).stdout

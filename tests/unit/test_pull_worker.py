@@ -337,3 +337,69 @@ def test_a_failing_step_is_that_models_error_alone(scheduler):
             "the pull worker failed a step for bad (retrying): store unreadable",)
     finally:
         p.stop()
+
+
+FAR_FUTURE = 253402300799.0      # 9999-12-31T23:59:59Z, as `manifest build --published` takes it
+
+
+def test_a_version_published_for_a_far_future_keeps_the_model_polling(scheduler):
+    """A publisher's far-future `published` (docs/publishing.md invites future times): the
+    model waits for its slot without an error, its job stays armed, and it still polls
+    `latest` at its poll times, so the next good version is seen. Before, arming the job for a
+    slot after year 9999 raised inside APScheduler and the model's job was gone for good."""
+    w = World()
+    w.latest = "v9"
+    deps = w.deps()
+    p = Worker(policy(Model("llama")),
+               WorkerDeps(**{**deps.__dict__, "clock": time.time,
+                             "published": lambda m, v: FAR_FUTURE if v == "v9" else 1000.0}))
+    p.start(scheduler)
+    try:
+        assert wait_for(lambda: p.snapshot()[0].state == "waiting_slot")
+        assert wait_for(lambda: "model:llama" in scheduler.jobs())
+        assert scheduler.jobs()["model:llama"] <= time.time() + 300.0 + 1
+        assert p.errors() == () and p.snapshot()[0].error is None
+    finally:
+        p.stop()
+
+
+def test_waiting_for_a_slot_never_sleeps_past_the_next_poll():
+    w = World()
+    w.latest = "v9"
+    deps = w.deps()
+    p = Worker(policy(Model("llama")),
+               WorkerDeps(**{**deps.__dict__,
+                             "published": lambda m, v: FAR_FUTURE if v == "v9" else 1000.0}))
+    wait = step_all(p)
+    assert p.snapshot()[0].state == "waiting_slot"
+    assert wait == poll_after(w.now, w.node_id, "llama", 300.0) - w.now
+    w.latest = "v2"                  # a good version replaces it
+    w.now += wait
+    step_all(p)
+    assert p.snapshot()[0].version == "v2"
+    # a pinned version polls nothing: it looks again no later than a day
+    pinned = Worker(policy(Model("llama", version="v9")),
+                    WorkerDeps(**{**deps.__dict__, "published": lambda m, v: FAR_FUTURE}))
+    assert step_all(pinned) == 86400.0
+
+
+def test_polls_that_keep_failing_make_the_model_failed_and_a_good_one_clears_it():
+    """One lost poll is a blip (the model keeps its state); three in a row (no source answers,
+    or each names a version that can't be one, like `current`) show as failed, which makes the
+    daemon degraded; the next good answer moves the model on."""
+    w = World()
+    w.installed.add(("llama", "v1"))
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=10.0), w.deps())
+    step_all(p)
+    w.resolve_error = "version 'current' is reserved"
+    states = []
+    for _ in range(3):
+        w.now = poll_after(w.now, w.node_id, "llama", 10.0)
+        step_all(p)
+        states.append(p.snapshot()[0].state)
+    assert states == ["done", "done", "failed"]
+    assert "reserved" in p.snapshot()[0].error
+    w.resolve_error = None
+    w.now = poll_after(w.now, w.node_id, "llama", 10.0)
+    step_all(p)
+    assert p.snapshot()[0].state == "done" and p.snapshot()[0].error is None

@@ -211,3 +211,12 @@ def test_a_cancelled_job_skipped_meanwhile_stays_cancelled(make_scheduler):
     assert wait_for(lambda: runs)
     time.sleep(0.2)
     assert len(runs) == 1 and "model:y" not in s.jobs()
+
+
+def test_a_time_past_what_a_datetime_holds_is_armed_not_raised(make_scheduler):
+    """Year 10000 (a far-future publication plus a wave's delay) is clamped, not a
+    ValueError inside the run that re-arms the job."""
+    s = make_scheduler()
+    for when in (253402300799.0 + 3600, float("inf"), float("nan")):
+        s.at(when, lambda: None, job_id="far")
+        assert s.jobs()["far"] > 253402300799.0 - 1e12
