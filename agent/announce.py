@@ -19,7 +19,13 @@ The rules:
   the model directory opened without following a symlink: nothing is written outside the store.
 
 A cache node must not learn of versions from its own announcement: ``latest_sources`` drops the
-sources marked ``cache: true`` (the cache tier) from the ones a cache node polls.
+sources marked ``cache: true`` (the cache tier) from the ones a cache node polls. A policy that
+lists its cache without the mark (as policies were written before the key existed) must not stall
+the cluster either, so the announcement says who wrote it: a second line
+``wagent-announced-by NODE_ID`` (readers of ``latest`` take its first line only, so every reader
+of the origin layout still reads it). A node that polls a ``latest`` carrying its own id reads
+its own store back through nginx and polls past it (``parse_latest``, used by the pull engine's
+``resolve_latest``), saying so in the journal.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from agent.store import Store
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+ANNOUNCED_BY = "wagent-announced-by"
 FILE_MODE = 0o644
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -54,9 +61,30 @@ def announced(root: str | os.PathLike[str], model: str) -> str | None:
         os.close(fd)
 
 
-def announce(root: str | os.PathLike[str], model: str, version: str) -> bool:
+def latest_text(version: str, announcer: str | None = None) -> bytes:
+    """The contents of a ``latest`` file naming ``version``, written by node ``announcer``."""
+    text = f"{version}\n"
+    if announcer:
+        text += f"{ANNOUNCED_BY} {announcer}\n"
+    return text.encode()
+
+
+def parse_latest(raw: bytes) -> tuple[str, str | None]:
+    """A ``latest`` file's version (its first line, checked as a version name) and the node
+    that announced it, if a wagent cache node did. Raises ManifestError for a bad name."""
+    lines = [line.strip() for line in raw.decode("utf-8", "replace").strip().splitlines()]
+    version = check_name("version", lines[0] if lines else "")
+    announcer = next((line.split(None, 1)[1].strip() for line in lines[1:]
+                      if line.startswith(ANNOUNCED_BY + " ")), None)
+    return version, announcer or None
+
+
+def announce(root: str | os.PathLike[str], model: str, version: str,
+             announcer: str | None = None) -> bool:
     """Point ``{model}/latest`` at ``version`` if the store at ``root`` holds it completely and
-    it is not older than the version announced now. Returns whether ``latest`` changed."""
+    it is not older than the version announced now. Returns whether ``latest`` changed.
+    ``announcer`` (this node's id) is written beside the version, so that this node recognises
+    its own announcement when a policy lists its store as an ordinary source."""
     store = Store(root)
     check_name("model", model)
     check_name("version", version)
@@ -69,8 +97,8 @@ def announce(root: str | os.PathLike[str], model: str, version: str) -> bool:
     try:
         # One announcement at a time per model (the daemon and a `wagent pull` by hand).
         fcntl.flock(fd, fcntl.LOCK_EX)
-        current = _read_latest(fd)
-        if current == version:
+        current, by = _read_latest_and_announcer(fd)
+        if current == version and by == announcer:
             return False
         if current is not None:
             held = store.installed(model, current)
@@ -78,7 +106,7 @@ def announce(root: str | os.PathLike[str], model: str, version: str) -> bool:
                 log.info("not announcing %s/%s: %s, published later, stays announced", model,
                          version, current)
                 return False
-        _write_latest(fd, version)
+        _write_latest(fd, latest_text(version, announcer))
     finally:
         os.close(fd)
     log.info("announcing %s/%s: %s/latest names it", model, version, model)
@@ -119,26 +147,30 @@ def _open_model_dir(store: Store, model: str) -> int:
 
 
 def _read_latest(dir_fd: int) -> str | None:
+    return _read_latest_and_announcer(dir_fd)[0]
+
+
+def _read_latest_and_announcer(dir_fd: int) -> tuple[str | None, str | None]:
     try:
         fd = os.open(LATEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
-        return None
+        return None, None
     with os.fdopen(fd, "rb") as f:
-        text = f.read(4096).decode("utf-8", "replace").strip()
+        raw = f.read(4096)
     try:
-        return check_name("version", text.splitlines()[0].strip()) if text else None
+        return parse_latest(raw)
     except (ManifestError, ValueError):
-        return None
+        return None, None
 
 
-def _write_latest(dir_fd: int, version: str) -> None:
+def _write_latest(dir_fd: int, text: bytes) -> None:
     tmp = f".tmp-{LATEST}-{uuid.uuid4().hex[:8]}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  FILE_MODE, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as out:
             os.fchmod(out.fileno(), FILE_MODE)       # readable by nginx, whatever the umask
-            out.write(version.encode() + b"\n")
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.rename(tmp, LATEST, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,10 +31,12 @@ from agent.hooks import run_hook
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
+from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
 from agent.policy import load_policy
 from agent.policy.model import Model, Policy
 from agent.pull import engine
+from agent.pull.transfer import RETRY_AFTER_CAP
 from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
@@ -55,20 +56,24 @@ STATE_MODE = 0o750
 STORE_MODE = 0o755
 
 
-def make_private_dir(path: str, mode: int) -> None:
-    """Creates ``path`` (and missing parents) with ``mode`` whatever the umask; refuses an
-    existing one that other users may write to (they could swap its files under the daemon)."""
-    if not os.path.isdir(path):
-        old = os.umask(0o022)
+def make_private_dir(path: str, mode: int, what: str) -> None:
+    """Creates ``path`` (and missing parents, 0755) with ``mode`` whatever the umask; refuses,
+    before making anything, a path someone untrusted could change (``agent.ownership``: the
+    directory and each one above it owned by root, this user or the service's user, writable
+    by no one else): they could swap its files under the daemon. ``what`` names it."""
+    def check(missing_ok: bool) -> None:
         try:
-            os.makedirs(path, mode=mode, exist_ok=True)
-        finally:
-            os.umask(old)
-        os.chmod(path, mode)
-    st = os.stat(path)
-    if st.st_mode & 0o002 and not st.st_mode & 0o1000:
-        raise StoreError(f"{path} is writable by every user (mode {st.st_mode & 0o7777:o}); "
-                         f"chmod o-w {path}, or point the policy at a directory of its own")
+            problem = dir_problem(path, trusted_uids(), risk="swap its files under the daemon",
+                                  also=f", or point the policy's {what} at a directory of its "
+                                       "own", missing_ok=missing_ok)
+        except OSError as e:
+            raise StoreError(f"can't check who may change the {what} {path}: {e}") from None
+        if problem is not None:
+            raise StoreError(f"the {what} {path} is not safe: {problem}")
+
+    check(missing_ok=True)
+    make_missing(path, mode)
+    check(missing_ok=False)
 
 
 HORIZON = 366 * 86400.0  # how far ahead a window's closing is looked for
@@ -115,12 +120,12 @@ class Application:
         control.bind()           # served from the end of start: status "running" means shaped
         try:
             store = Store(policy.store.path)
-            make_private_dir(policy.store.path, STORE_MODE)
+            make_private_dir(policy.store.path, STORE_MODE, "store")
             store.ensure()
             # What a crash left (a version half built, partial files nobody resumes) goes now,
             # not at the next pull: a node with nothing to pull must not keep it for ever.
             space.clean(store, self.clock())
-            make_private_dir(policy.state_dir, STATE_MODE)
+            make_private_dir(policy.state_dir, STATE_MODE, "state_dir")
         except BaseException:
             control.stop()
             raise
@@ -172,10 +177,10 @@ class Application:
             prepare_socket_dir(new.control.socket, trusted_uids())
         if new.store.path != old.store.path:
             store = Store(new.store.path)
-            make_private_dir(new.store.path, STORE_MODE)
+            make_private_dir(new.store.path, STORE_MODE, "store")
             store.ensure()
             parts.store = store
-        make_private_dir(new.state_dir, STATE_MODE)
+        make_private_dir(new.state_dir, STATE_MODE, "state_dir")
         # Shaping first: if the kernel refuses the new tree, nothing else has changed yet.
         parts.shaping.reconcile(new)
         parts.policy = new
@@ -216,11 +221,22 @@ class Application:
         def cache_node() -> bool:
             return parts.identity.role == parts.policy.cache_role
 
+        told: set[str] = set()
+
+        def own_announcement(why: str) -> None:
+            if why not in told:           # once per source, not at every poll
+                told.add(why)
+                log.warning("%s", why)
+
         def resolve(model: Model) -> str:
             # A cache node polls past the cache tier (sources marked `cache: true`): there it
-            # would read its own announcement and never learn of a new version.
+            # would read its own announcement and never learn of a new version. A source not
+            # so marked that serves this node's own store is recognised by the announcement's
+            # author and polled past too.
             sources = announce.latest_sources(parts.policy.sources, cache_node())
-            return engine.resolve_latest(sources, model.name, options())
+            return engine.resolve_latest(sources, model.name, options(),
+                                         self_id=parts.identity.node_id,
+                                         on_self=own_announcement)
 
         def published(model: Model, version: str) -> float:
             _, manifest = engine.fetch_manifest(parts.policy.sources, model.name, version,
@@ -273,7 +289,8 @@ class Application:
             # polls it rather than the origin. The pull itself succeeded whatever happens here.
             if cache_node():
                 try:
-                    announce.announce(parts.store.root, model.name, version)
+                    announce.announce(parts.store.root, model.name, version,
+                                      parts.identity.node_id)
                 except OSError as e:
                     log.error("announcing %s %s in %s failed: %s", model.name, version,
                               parts.store.root, e)
@@ -296,12 +313,13 @@ class Application:
         def stall_after() -> float:
             # The longest wait the deadlines allow without a byte moving, and a minute more:
             # the largest manifest at its slowest, or a request cut at its headers deadline or
-            # by the goodput floor followed by the longest backoff.
+            # by the goodput floor followed by the longest backoff, or the longest Retry-After
+            # a busy source is granted.
             o = options()
             t = o.timeouts
             return 60.0 + t.headers_deadline + max(
                 t.small_body_deadline(MAX_MANIFEST_BYTES),
-                o.goodput_grace + o.goodput_window + o.backoff_cap)
+                o.goodput_grace + o.goodput_window + max(o.backoff_cap, RETRY_AFTER_CAP))
 
         return WorkerDeps(clock=self.clock, resolve=resolve, published=published,
                           schedule=plan, window=window, have=have,
@@ -321,7 +339,8 @@ class Application:
             if not versions:
                 continue
             try:
-                announce.announce(parts.store.root, model.name, versions[0].version)
+                announce.announce(parts.store.root, model.name, versions[0].version,
+                                  parts.identity.node_id)
             except OSError as e:
                 log.error("announcing %s %s in %s failed: %s", model.name, versions[0].version,
                           parts.store.root, e)

@@ -150,9 +150,9 @@ class LoopbackNginx:
 
 FAULTS = ("more", "more_unframed", "fewer", "bad_range", "full_200", "corrupt", "etag_change",
           "error_500", "gzip", "stall", "trickle", "other_total", "etag_flap", "changed",
-          "slow_headers", "slow_body", "gzip_bomb", "gzipped")
+          "slow_headers", "slow_body", "gzip_bomb", "gzipped", "busy_503", "early_hints")
 # Faults that also hit requests without a Range header (the others only hit ranged ones).
-ANY_REQUEST = ("slow_headers", "slow_body", "gzip_bomb", "gzipped")
+ANY_REQUEST = ("slow_headers", "slow_body", "gzip_bomb", "gzipped", "busy_503", "early_hints")
 _BOMBS: dict[int, bytes] = {}
 
 
@@ -176,8 +176,9 @@ class FaultyServer:
     def __init__(self, root: Path, fault: str | None = None, fault_on: str = r"\.safetensors$",
                  times: int | None = None, after: int = 0, auth: str | None = None,
                  trickle: tuple[int, float] = (16, 0.05), header_pad: int = 200,
-                 bomb: int = 2**30) -> None:
+                 bomb: int = 2**30, retry_after: int = 1) -> None:
         assert fault is None or fault in FAULTS
+        self.retry_after = retry_after            # what "busy_503" says in Retry-After
         self.root = Path(root)
         self.fault = fault
         self.fault_on = re.compile(fault_on)
@@ -191,6 +192,7 @@ class FaultyServer:
         self.bomb = bomb
         self.flaps = 0                            # "etag_flap": which backend answers next
         self.requests: list[tuple[str, str | None, int]] = []   # (path, Range, status)
+        self.arrivals: list[tuple[str, float]] = []    # (path, time.monotonic()) of each request
         self.lock = threading.Lock()
         self.etag_generation = 0
         self.unstall = threading.Event()          # set on close: stalled bodies end
@@ -239,6 +241,8 @@ class FaultyServer:
 
     def _serve(self, h: http.server.BaseHTTPRequestHandler) -> None:
         path = h.path.split("?")[0]
+        with self.lock:
+            self.arrivals.append((path, time.monotonic()))
         file = (self.root / path.lstrip("/")).resolve()
         rng = h.headers.get("Range")
         if self.auth is not None and h.headers.get("Authorization") != self.auth:
@@ -250,6 +254,15 @@ class FaultyServer:
         data = file.read_bytes()
         etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'
         fault = self._take_fault(path) if rng or self.fault in ANY_REQUEST else None
+        if fault == "busy_503":
+            # "come back later", as an overloaded origin or S3's SlowDown says it
+            self._send(h, path, rng, 503, b"busy", {"Retry-After": str(self.retry_after)})
+            return
+        if fault == "early_hints":
+            # a 103 before the real answer, as nginx (early_hints) or a CDN sends it
+            h.wfile.write(b"HTTP/1.1 103 Early Hints\r\nLink: </m/v1/config.json>; "
+                          b"rel=preload\r\n\r\n")
+            fault = None
         if fault == "etag_change":
             self.etag_generation += 1
             etag = f'"{file.stat().st_size:x}-{self.etag_generation}"'

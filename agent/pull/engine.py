@@ -11,6 +11,7 @@ local blob are copied, the rest fetched); run the transfer; publish the version 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from agent.announce import parse_latest
 from agent.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -44,7 +46,7 @@ from agent.pull.transfer import (
 )
 from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError, space
-from agent.store.partial import Partial, PartialBusy
+from agent.store.partial import Claims, Partial, PartialBusy
 from agent.units import format_size
 
 T = TypeVar("T")
@@ -163,14 +165,27 @@ def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
     raise PullError(f"{what}: " + "; ".join(errors) if errors else "no sources configured")
 
 
-def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions) -> str:
-    """The version named by ``{source}/{model}/latest`` on the first source that answers."""
+def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, *,
+                   self_id: str | None = None,
+                   on_self: Callable[[str], None] | None = None) -> str:
+    """The version named by ``{source}/{model}/latest`` on the first source that answers.
+
+    A ``latest`` that node ``self_id`` announced itself (``agent.announce``) is this node's own
+    store read back through its nginx, whatever the policy calls that source: it can never name
+    a version this node lacks, so it is passed over, and ``on_self`` is told why."""
     check_name("model", model)
 
     def ask(client: Client, source: Source) -> str:
-        text = client.get_small(url_for(source, model, "latest"), 4096)
-        line = text.decode("utf-8", "replace").strip().splitlines()
-        return check_name("version", line[0].strip() if line else "")
+        url = url_for(source, model, "latest")
+        version, announcer = parse_latest(client.get_small(url, 4096))
+        if self_id is not None and announcer == self_id:
+            why = (f"{redact(url)} is this node's own announcement (the source serves this "
+                   f"node's store): polled past it; mark that source `cache: true` in the "
+                   f"policy")
+            if on_self is not None:
+                on_self(why)
+            raise ManifestError(why)
+        return version
 
     return _first_answer(sources, options, f"no source named the latest version of {model}", ask)
 
@@ -243,19 +258,29 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           started: float) -> PullResult:
     blobs = store.blob_sizes()
     distinct = planning.distinct_files(m)
+    # One descriptor claims every partial file of the pull; each file is opened only while a
+    # stream or the copier works on it (agent.store.partial).
+    claims = Claims(store.partial)
     partials: dict[str, Partial] = {}
     try:
         for bid, (f, _) in distinct.items():
             if blobs.get(bid) != f.size:
-                partials[bid] = Partial(store.partial, bid, f.size, durable=options.durable)
+                partials[bid] = Partial(store.partial, bid, f.size, durable=options.durable,
+                                        claims=claims)
         p = planning.plan(m, blobs, store.piece_index() if partials else {},
                           {bid: part.done for bid, part in partials.items()})
         for fp in p.files:
             partials[fp.blob].keep_only({piece.offset for piece in fp.done})
         _reserve(store, m, [partials[fp.blob] for fp in p.files], wall_clock())
     except BaseException as e:
+        # What this pull made and never used goes: a failed start takes nothing, and never
+        # leaves a file per manifest entry behind on every try.
         for part in partials.values():
+            if part.created and not part.done:
+                with contextlib.suppress(OSError):
+                    part.discard()
             part.close()
+        claims.close()
         if isinstance(e, PartialBusy):
             raise PullError(str(e)) from None
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -316,6 +341,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     finally:
         for part in partials.values():
             part.close()
+        claims.close()
     for bid, (f, _) in distinct.items():
         if not store.has_blob(bid, f.size):
             raise PullStopped("pull stopped before every file landed") if stop.is_set() \

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.utils
+import http.client
 import re
 import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -48,10 +50,51 @@ __all__ = ["ChangedError", "Client", "CredentialsError", "FetchError", "Timeouts
 USER_AGENT = "wagent"
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _SMALL_READ = 64 * 1024            # bytes read at a time from a small document's body
+_MAX_INFORMATIONAL = 16            # 1xx responses skipped before a final one, at most
+_MAX_HEADER_LINES = 100            # as http.client bounds a header block
+_MAX_LINE = 65536
 
 
 class FetchError(Exception):
-    """One request failed (network, status, framing); the pull may try another source."""
+    """One request failed (network, status, framing); the pull may try another source.
+
+    ``retry_after``: the seconds the source asked to be left alone (a 503 or 429 with
+    ``Retry-After``), which the pull honours before it asks that source again."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """The wait a ``Retry-After`` header asks for, in seconds (RFC 9110 10.2.3): delay-seconds,
+    or an HTTP-date read against the response's own ``Date`` (the server's clock against
+    itself: no clock of this node, so no skew); None when absent or unreadable.
+
+    >>> retry_after({"Retry-After": "120"})
+    120.0
+    >>> retry_after({"Retry-After": "Wed, 21 Oct 2026 07:28:30 GMT",
+    ...              "Date": "Wed, 21 Oct 2026 07:28:00 GMT"})
+    30.0
+    """
+    value = (headers.get("Retry-After") or "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return float(min(int(value[:9]), 10**8))
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        now = email.utils.parsedate_to_datetime(headers.get("Date") or "")
+        return max(0.0, (when - now).total_seconds())
+    except (TypeError, ValueError, IndexError):
+        return None
+
+
+def _status_error(r: requests.Response, url: str) -> FetchError:
+    """A response whose status is not the one asked for; a busy source says when to return."""
+    after = retry_after(r.headers) if r.status_code in (429, 503) else None
+    told = f" (Retry-After {after:.0f} s)" if after is not None else ""
+    return FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}{told}", after)
 
 
 class ChangedError(FetchError):
@@ -209,14 +252,42 @@ class _WatchedPool:
         return conn
 
 
+class _FinalResponse(http.client.HTTPResponse):
+    """http.client skips only a ``100 Continue`` before the final response: any other 1xx (a
+    CDN's or nginx's ``103 Early Hints``) was taken for the answer, its final response left
+    in the connection. Informational responses are skipped here (RFC 9110 15.2: a client
+    must accept and ignore them), all but ``101``, which wagent never asks for."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(_MAX_INFORMATIONAL):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 101 < status < 200:
+                return version, status, reason     # 100: begin() skips it itself
+            for _ in range(_MAX_HEADER_LINES):     # its header block, up to the blank line
+                line = self.fp.readline(_MAX_LINE + 1)
+                if line in (b"\r\n", b"\n", b""):
+                    break
+            else:
+                raise http.client.HTTPException("an informational response with too many "
+                                                "header lines")
+        raise http.client.HTTPException(f"more than {_MAX_INFORMATIONAL} informational "
+                                        "responses before the final one")
+
+
+def _final_responses(connection_cls: type) -> type:
+    return type(f"Final{connection_cls.__name__}", (connection_cls,),
+                {"response_class": _FinalResponse})
+
+
 class _HTTPPool(_WatchedPool, HTTPConnectionPool):
     # Hook (agent/pull/sockets.py): each connection registers its socket once connected, so
     # the backoff loop can clamp the pull's receive windows and read their TCP_INFO.
-    ConnectionCls = sockets.registering(HTTPConnection)
+    ConnectionCls = sockets.registering(_final_responses(HTTPConnection))
 
 
 class _HTTPSPool(_WatchedPool, HTTPSConnectionPool):
-    ConnectionCls = sockets.registering(HTTPSConnection)   # the same hook, after TLS
+    # the same hook, after TLS
+    ConnectionCls = sockets.registering(_final_responses(HTTPSConnection))
 
 
 _POOLS = {"http": _HTTPPool, "https": _HTTPSPool}
@@ -310,7 +381,7 @@ class Client:
         try:
             with self._get(url, w) as r:
                 if r.status_code != 200:
-                    raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+                    raise _status_error(r, url)
                 _WATCHDOG.renew(w, self.timeouts.small_body_deadline(
                     min(limit, _content_length(r) or limit)), "the body")
                 try:
@@ -380,7 +451,7 @@ class Client:
                                 "request: this source ignores Range, and wagent fetches "
                                 "pieces; serve byte ranges (206) from it, or remove it")
         if r.status_code != 206:
-            raise FetchError(f"{redact(url)}: HTTP {r.status_code} {r.reason}")
+            raise _status_error(r, url)
         encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding != "identity":
             # Despite "Accept-Encoding: identity": these would be bytes of a compressed

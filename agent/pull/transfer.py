@@ -17,11 +17,17 @@ piece it could not copy to the streams. Verified pieces are never discarded: the
 are the authority on bytes, an ETag only a hint (a source whose ETags disagree is sent no more
 If-Range). Pieces copied from local blobs are verified too (read back from the partial): a blob
 that rotted on disk is fetched instead.
+
+Descriptors follow the work, not the version: a stream opens the part file and journal of the
+file its request is for and closes them when the request ends (``Partial.opened``), the copier
+keeps one partial file and a few local blobs open, so a version of any number of files is pulled
+within a small limit of open files.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import logging
@@ -53,6 +59,10 @@ from agent.store.partial import Partial
 from agent.units import format_size
 
 log = logging.getLogger(__name__)
+# The longest Retry-After honoured: a source that asks for more is asked again after this, so
+# a pull still fails within its rounds (``retries``) rather than sleeping on a server's word;
+# the daemon's stall limit (agent.application) allows for it.
+RETRY_AFTER_CAP = 120.0
 
 
 class PullError(Exception):
@@ -142,7 +152,8 @@ class Transfer:
         for f in list(self.files.values()):
             if f.remaining == 0:
                 try:
-                    self._finish_file(f)
+                    with f.partial.opened():
+                        self._finish_file(f)
                 except OSError as e:
                     self._fail(self._os_error(e, f.path))
                 except PullError as e:
@@ -216,18 +227,21 @@ class Transfer:
 
     # -- local copies ---------------------------------------------------------------------------
     def _copy_all(self) -> None:
+        """Copy the planned pieces from local blobs. The copies come file by file, so one
+        partial file is open at a time, and the source blobs, mostly in the same order, are
+        kept open a few at a time (a version of thousands of files must not open thousands)."""
         try:
-            open_blobs: dict[str, int] = {}
-            try:
+            with contextlib.ExitStack() as current, BlobFiles(self.store) as blobs:
+                open_file = ""
                 for sha, c in self.copies:
                     if self.stop.is_set() or self.error is not None:
                         return
                     f = self.files[sha]
-                    src = open_blobs.get(c.blob)
-                    if src is None:
-                        src = open_blobs[c.blob] = os.open(
-                            self.store.blob_path(c.blob),
-                            os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    if open_file != sha:
+                        current.close()
+                        current.enter_context(f.partial.opened())
+                        open_file = sha
+                    src = blobs.fd(c.blob)
                     good = copy_range(src, f.partial.fd, c.blob_offset, c.piece.offset,
                                       c.piece.size) == c.piece.size \
                         and hashing.fd_range_sha256(f.partial.fd, c.piece.offset,
@@ -239,9 +253,6 @@ class Transfer:
                     with self.cond:
                         self.reused += c.piece.size
                     self._piece_done(f, c.piece)
-            finally:
-                for fd in open_blobs.values():
-                    os.close(fd)
         except PullError as e:
             self._fail(e)
         except OSError as e:
@@ -281,6 +292,12 @@ class Transfer:
                 c.close()
 
     def _fetch(self, req: RangeRequest, clients: dict[int, Client], preferred: int) -> int:
+        # The file's part file and journal are open while this request is worked on, and no
+        # longer: a stream holds one file's descriptors at a time, whatever the version holds.
+        with self.files[req.blob].partial.opened():
+            return self._fetch_open(req, clients, preferred)
+
+    def _fetch_open(self, req: RangeRequest, clients: dict[int, Client], preferred: int) -> int:
         f = self.files[req.blob]
         # Landed pieces leave from the front: a deque, as a request may hold thousands.
         pieces = collections.deque(req.pieces)
@@ -288,6 +305,7 @@ class Transfer:
         rounds = 0
         while pieces:
             before = len(pieces)
+            asked = 0.0       # the longest Retry-After a busy source gave in this round
             order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
             with self.cond:
                 order = [i for i in order if i not in self.no_ranges]
@@ -322,6 +340,7 @@ class Transfer:
                 except FetchError as e:
                     log.info("piece fetch failed, trying the next source: %s", e)
                     failures.append(str(e))
+                    asked = max(asked, min(e.retry_after or 0.0, RETRY_AFTER_CAP))
             if len(pieces) < before:
                 continue                  # pieces landed this round: not a failed round
             rounds += 1
@@ -329,7 +348,10 @@ class Transfer:
                 raise PullError(f"{f.path}: bytes {pieces[0].offset}+ failed on every source "
                                 f"{rounds} times; last errors: {'; '.join(failures[-3:])}")
             delay = min(self.s.backoff_cap, self.s.backoff_base * 2 ** (rounds - 1))
-            if self.stop.wait(delay * random.uniform(0.5, 1.5)):
+            # A busy source (503/429) said when to come back: not before, lest a storm of
+            # retries burn the pull's rounds in seconds; jittered upwards only.
+            wait = max(delay * random.uniform(0.5, 1.5), asked * random.uniform(1.0, 1.1))
+            if self.stop.wait(wait):
                 return preferred
         return preferred
 
@@ -471,6 +493,36 @@ class Transfer:
             return StoreFull(f"no space left in the store {self.store.root} while writing "
                              f"{what}: {FREE_SPACE_HINT}")
         return PullError(f"{what}: {e.strerror or e} ({e.filename or self.store.root})")
+
+
+class BlobFiles:
+    """Local blobs open for reading, the ``keep`` most recently used at most."""
+
+    def __init__(self, store: Store, keep: int = 4) -> None:
+        self.store = store
+        self.keep = keep
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is not None:
+            self._fds.move_to_end(name)
+            return fd
+        fd = os.open(self.store.blob_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        self._fds[name] = fd
+        while len(self._fds) > self.keep:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __enter__(self) -> BlobFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) -> int:

@@ -52,7 +52,8 @@ def test_emulated_fleet_with_caches(testbed):
                                                         seed=7))
         fleet.wait_done("v0", 120)
         for c in clusters:
-            assert (caches[c].store / "models" / MODEL / "latest").read_text() == "v0\n"
+            assert (caches[c].store / "models" / MODEL / "latest").read_text() \
+                == f"v0\nwagent-announced-by {caches[c].id}\n"
 
         # -- a new version ---------------------------------------------------------------------
         v1_dir = fleet.origin_root / MODEL / "v1"
@@ -76,7 +77,8 @@ def test_emulated_fleet_with_caches(testbed):
             finished = [done[f"{c}-{r}-1"]["finished_at"] for r in ("inference", "evaluation",
                                                                     "training")]
             assert started == sorted(started) and finished == sorted(finished), c
-            assert (caches[c].store / "models" / MODEL / "latest").read_text() == "v1\n"
+            assert (caches[c].store / "models" / MODEL / "latest").read_text() \
+                == f"v1\nwagent-announced-by {caches[c].id}\n"
         # the origin's `latest` is polled by the caches only: the nodes ask theirs
         assert fleet.latest_pollers(t0, t1) <= cache_ips
         bound = link_bound(fleet, v1, done)
@@ -142,7 +144,8 @@ def test_emulated_fleet_with_caches(testbed):
                   if r["uri"].startswith(f"/{MODEL}/v3/") and r["bytes"] > 0
                   and float(r["msec"]) >= restarted]
         assert served, "the restarted cache served nothing of v3"
-        assert (dead.store / "models" / MODEL / "latest").read_text() == "v3\n"
+        assert (dead.store / "models" / MODEL / "latest").read_text() \
+            == f"v3\nwagent-announced-by {dead.id}\n"
         # the other cluster never noticed
         sent_b = fleet.origin_bytes("v3", {h.ip for h in fleet.in_cluster("b")})
         assert 0.99 * v3.size <= sent_b <= 1.02 * v3.size

@@ -299,3 +299,29 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
     a = next(i for i in puller.snapshot() if i.model == "a")
     assert "response headers did not arrive within 1 s" in (a.error or ""), a
     assert store.installed("b", "v1") is not None
+
+
+# -- what HTTP allows a source to say ------------------------------------------------------------
+def test_informational_responses_before_the_answer_are_skipped(origin, tmp_path):
+    """A `103 Early Hints` (nginx's early_hints, CDNs) before every answer: `latest`, the
+    manifest and every range. Before, http.client took the 103 for the answer."""
+    store = Store(tmp_path / "store")
+    with FaultyServer(origin, "early_hints", fault_on=r".") as hinting:
+        r = pull_version([Source(hinting.url)], "m", "latest", store, options=FAST)
+        assert hinting.faults_done >= 4
+    same_files(r.path, version_dir(origin))
+
+
+def test_a_busy_source_is_asked_again_only_after_its_retry_after(origin, tmp_path):
+    """503 with Retry-After: 1, twice, on one shard: each retry waits the second it was told
+    (before: six rounds 10 ms apart, and the pull failed in a 503 storm), and the pull ends."""
+    store = Store(tmp_path / "store")
+    opts = PullOptions(streams=1, retries=5, backoff_base=0.01, read_timeout=5,
+                       connect_timeout=2, headers_deadline=2.0)
+    with FaultyServer(origin, "busy_503", fault_on=SHARD, times=2, retry_after=1) as busy:
+        r = pull_version([Source(busy.url)], "m", "v1", store, options=opts)
+        times = [t for p, t in busy.arrivals if p.endswith(SHARD)]
+        statuses = [status for p, _, status in busy.requests if p.endswith(SHARD)]
+    same_files(r.path, version_dir(origin))
+    assert statuses[:3] == [503, 503, 206]
+    assert times[1] - times[0] >= 1.0 and times[2] - times[1] >= 1.0

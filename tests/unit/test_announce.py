@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import time
 
 import pytest
 
@@ -12,7 +13,7 @@ from agent.announce import announce, announced, latest_sources
 from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece, to_json
 from agent.policy.model import Source
-from agent.store import Store
+from agent.store import Store, space
 
 
 def put_version(store: Store, model: str, version: str, data: bytes, published: str) -> None:
@@ -104,11 +105,10 @@ def test_nothing_is_written_through_a_symlink(store, tmp_path):
 def test_a_crash_leftover_is_cleaned_by_the_store(store):
     put_version(store, "m", "v1", b"one", "2026-12-01T00:00:00Z")
     (store.models / "m" / ".tmp-latest-0badf00d").write_text("v9\n")
-    try:                      # the store's cleaning is moving into agent.store.space (issue 13)
-        from agent.store import space
-        space.clean(store, 0.0)
-    except ImportError:
-        store.clean(0.0)
+    # no lock covers an announcement's temporary file: a young one may be another process's
+    space.clean(store, time.time())
+    assert (store.models / "m" / ".tmp-latest-0badf00d").exists()
+    space.clean(store, time.time() + space.LEFTOVER_AFTER)
     assert not (store.models / "m" / ".tmp-latest-0badf00d").exists()
 
 
@@ -117,3 +117,17 @@ def test_cache_nodes_poll_past_the_cache_tier():
     assert latest_sources([tier, origin], cache_node=False) == (tier, origin)
     assert latest_sources([tier, origin], cache_node=True) == (origin,)
     assert latest_sources([tier], cache_node=True) == (tier,)    # nothing else to ask
+
+
+def test_the_announcement_says_which_node_wrote_it_and_readers_take_the_first_line(store):
+    from agent.announce import latest_text, parse_latest
+    put_version(store, "m", "v1", b"one", "2026-12-01T00:00:00Z")
+    assert announce(store.root, "m", "v1") is True               # an older wagent's: no author
+    assert announce(store.root, "m", "v1", "node-a") is True     # the same version, now signed
+    assert latest_file(store).read_bytes() == latest_text("v1", "node-a")
+    assert latest_file(store).read_text().splitlines()[0] == "v1"   # what any reader takes
+    assert parse_latest(latest_file(store).read_bytes()) == ("v1", "node-a")
+    assert announce(store.root, "m", "v1", "node-a") is False
+    assert parse_latest(b"v7\n") == ("v7", None)                 # a publisher's `latest`
+    with pytest.raises(ValueError):
+        parse_latest(b"../etc\nwagent-announced-by x\n")
