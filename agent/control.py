@@ -37,7 +37,6 @@ import grp
 import json
 import logging
 import os
-import pwd
 import socket
 import stat
 import struct
@@ -48,15 +47,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from agent.ownership import SERVICE_USER, ancestry, dir_problem, trusted_uids
+from agent.ownership import describe_user as _user
+
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
 RESERVED_SLOTS = 2         # connections beyond max_clients, for root and the service's user only
 MAX_RESPONSE = 16 * 2**20
+# No request needs a long number. Refused before int() sees it: Python's own limit (4300
+# digits) raises a ValueError whose advice (sys.set_int_max_str_digits) is not the client's.
+MAX_DIGITS = 100
+MAX_LOGGED_ERROR = 200     # a refused request's error, as logged (it may quote the request)
 # command -> changes something (needs root or the service's user)
 COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True}
-# wagent.service's User= (packaging/deb/wagent.sysusers); /run/wagent is its RuntimeDirectory
-SERVICE_USER = "wagent"
+# /run/wagent is the RuntimeDirectory of wagent.service (its User= is ownership.SERVICE_USER)
 DEFAULT_SOCKET = "/run/wagent/control.sock"
 
 
@@ -99,11 +104,26 @@ class Peer:
     gid: int
 
 
+def _int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_DIGITS:
+        raise ProtocolError(f"request has a number {len(digits.lstrip('-'))} digits long; "
+                            f"at most {MAX_DIGITS}")
+    return int(digits)
+
+
 def parse_request(line: bytes) -> ControlRequest:
+    """Raises ProtocolError for whatever the JSON decoder refuses, deep nesting (a
+    RecursionError) and long numbers included: each is the client's mistake, answered."""
     try:
-        obj = json.loads(line.decode("utf-8"))
+        obj = json.loads(line.decode("utf-8"), parse_int=_int)
+    except ProtocolError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"request is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("request is nested too deeply to decode") from None
+    except ValueError as e:
+        raise ProtocolError(f"request can't be decoded: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("cmd"), str):
         raise ProtocolError('request must be an object like {"cmd": "status"}')
     if obj["cmd"] not in COMMANDS:
@@ -145,73 +165,23 @@ def dispatch(controller: Controls, request: ControlRequest, peer: Peer,
     return {"ok": True, "result": result}
 
 
-def trusted_uids() -> frozenset[int]:
-    """The users who may own the control socket's directories and serve the socket: root, this
-    process's own user (the daemon's user; for a client, a daemon the same user started by
-    hand) and the service's user when the package created it (the daemon runs as ``wagent``
-    while root or a ``wagent`` group member runs the client)."""
-    uids = {0, os.geteuid()}
-    with contextlib.suppress(KeyError):
-        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
-    return frozenset(uids)
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _ancestry(directory: str) -> list[str]:
-    """``/``, ``/a``, ``/a/b`` for ``/a/b``."""
-    parts = Path(directory).parts
-    return [os.path.join(*parts[:i + 1]) for i in range(len(parts))]
-
-
 def socket_dir_problem(path: str, trusted: Iterable[int] | None = None) -> str | None:
     """Why the directory of the socket ``path`` lets someone untrusted replace the socket, or
     None when it doesn't. Raises OSError (FileNotFoundError, PermissionError, ...) when a
     directory can't be looked at.
 
-    Every directory from ``/`` down to the socket's must be owned by a trusted uid, and the
-    socket's own directory must not be group- or other-writable: a sticky bit doesn't help
-    there, since others may still create names in it (a socket while the daemon is down, the
-    lock file). A directory above may be world-writable if it is sticky (``/tmp``): the
-    sticky bit keeps others from renaming or removing the trusted user's entry in it, which
-    is all the path relies on. systemd's RuntimeDirectory=wagent (``/run/wagent``, owned by
-    ``wagent``, mode 0750) passes, as does a root-owned 0700 or 0755 directory anywhere.
-
-    The path as written and the path resolved are both checked: the resolved one is where
-    the socket really is; on the written one each symlink must be a trusted user's, in a
-    directory only trusted users can change (``/var/run`` -> ``/run`` passes)."""
-    ok = frozenset(trusted_uids() if trusted is None else trusted)
-    directory = os.path.dirname(os.path.abspath(path))
-    also = (f", or put the socket in a directory only root or {SERVICE_USER} can write, like "
-            f"the default {DEFAULT_SOCKET}")
-    for chain, follow in ((_ancestry(directory), False),
-                          (_ancestry(os.path.realpath(directory)), True)):
-        for i, d in enumerate(chain):
-            st = os.stat(d) if follow else os.lstat(d)
-            mode = st.st_mode
-            if st.st_uid not in ok:
-                return (f"{d} is owned by {_user(st.st_uid)}, not by root or the service's "
-                        f"user ({SERVICE_USER}): that user can replace the control socket and "
-                        f"answer for the daemon; fix: chown{' -h' * stat.S_ISLNK(mode)} root "
-                        f"{d}{also}")
-            if stat.S_ISLNK(mode) or not mode & 0o022:
-                continue   # a symlink's own mode means nothing; its target is in the other chain
-            last = i == len(chain) - 1
-            if not last and mode & stat.S_ISVTX:
-                continue
-            who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "all users"))
-                               if mode & bit)
-            sticky = " (sticky, but others can still create names in it)" \
-                if mode & stat.S_ISVTX else ""
-            return (f"{d} is writable by {who}, mode {stat.S_IMODE(mode):04o}{sticky}: they "
-                    f"can replace the control socket and answer for the daemon; fix: chmod "
-                    f"go-w {d}{also}")
-    return None
+    The rules of :mod:`agent.ownership`: every directory from ``/`` down to the socket's owned
+    by a trusted uid, and the socket's own directory not group- or other-writable: a sticky bit
+    doesn't help there, since others may still create names in it (a socket while the daemon
+    is down, the lock file). A directory above may be world-writable if it is sticky
+    (``/tmp``). systemd's RuntimeDirectory=wagent (``/run/wagent``, owned by ``wagent``, mode
+    0750) passes, as does a root-owned 0700 or 0755 directory anywhere. Both the path as
+    written and the path resolved are checked (``/var/run`` -> ``/run`` passes)."""
+    return dir_problem(os.path.dirname(os.path.abspath(path)),
+                       trusted_uids() if trusted is None else trusted,
+                       risk="replace the control socket and answer for the daemon",
+                       also=f", or put the socket in a directory only root or {SERVICE_USER} "
+                            f"can write, like the default {DEFAULT_SOCKET}")
 
 
 def peer_credentials(conn: socket.socket) -> Peer:
@@ -342,22 +312,36 @@ class ControlServer:
         try:
             with conn:
                 try:
-                    request = parse_request(_read_line(conn, self.read_timeout, MAX_REQUEST))
-                except ProtocolError as e:
-                    reply = error_reply(str(e), "protocol")
-                except (TimeoutError, OSError) as e:
-                    log.info("control client pid %d dropped: %s", peer.pid, e)
+                    reply = self._answer(conn, peer)
+                    data = None if reply is None else encode(reply)
+                except Exception as e:   # a bug: still an answer, and one log record for it
+                    log.exception("control: serving uid %d pid %d failed", peer.uid, peer.pid)
+                    data = encode(error_reply(f"internal error: {type(e).__name__}: {e}",
+                                              "internal"))
+                if data is None:
                     return
-                else:
-                    reply = dispatch(self.controller, request, peer, self.allowed_uids)
-                    if request.cmd != "status":
-                        log.info("control: %s from uid %d pid %d: %s", request.cmd, peer.uid,
-                                 peer.pid, "ok" if reply["ok"] else reply["error"])
                 conn.settimeout(self.read_timeout)
                 with contextlib.suppress(OSError):
-                    conn.sendall(encode(reply))
+                    conn.sendall(data)
         finally:
             slot.release()
+
+    def _answer(self, conn: socket.socket, peer: Peer) -> dict[str, Any] | None:
+        """The reply to the connection's request; None when the client is gone or too slow."""
+        try:
+            request = parse_request(_read_line(conn, self.read_timeout, MAX_REQUEST))
+        except ProtocolError as e:
+            log.info("control: refused a request from uid %d pid %d: %s", peer.uid, peer.pid,
+                     str(e)[:MAX_LOGGED_ERROR])
+            return error_reply(str(e), "protocol")
+        except (TimeoutError, OSError) as e:
+            log.info("control client pid %d dropped: %s", peer.pid, e)
+            return None
+        reply = dispatch(self.controller, request, peer, self.allowed_uids)
+        if request.cmd != "status":
+            log.info("control: %s from uid %d pid %d: %s", request.cmd, peer.uid, peer.pid,
+                     "ok" if reply["ok"] else reply["error"])
+        return reply
 
 
 def _read_line(conn: socket.socket, timeout: float, limit: int,
@@ -388,7 +372,7 @@ def prepare_socket_dir(path: str, trusted: Iterable[int]) -> None:
     default for parents), then refuses, naming the directory, unless only trusted users can
     put a socket there: checked before the lock file or the socket is created in it. Public so
     that a reload moving the socket can check the new path before it stops the old server."""
-    for d in _ancestry(os.path.dirname(os.path.abspath(path))):
+    for d in ancestry(os.path.dirname(os.path.abspath(path))):
         if not os.path.isdir(d):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(d, 0o755)

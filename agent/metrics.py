@@ -3,8 +3,9 @@
 The daemon hands each tick's status document (``agent.status.to_json``) to :class:`Metrics`; a
 collector on wagent's own ``CollectorRegistry`` (never the global one, which would mix in
 process metrics of whatever imported us) turns the latest document into metric families at
-scrape time. Served on ``metrics.listen`` (``127.0.0.1:9464`` by default; a threaded WSGI server
-we own, so a reload can move it) and/or written atomically to a node_exporter textfile
+scrape time. Served on ``metrics.listen`` (``127.0.0.1:9464`` by default; by
+:class:`agent.metrics_http.ScrapeServer`, which bounds the connections and the time each may take,
+and which we own, so a reload can move it) and/or written atomically to a node_exporter textfile
 (``metrics.textfile``) every tick, and removed when the daemon stops.
 
 The names follow Prometheus' conventions as node_exporter does (every metric, its type, labels
@@ -29,17 +30,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 from collections.abc import Iterator, Mapping
-from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent import __version__
+from agent.metrics_http import MAX_CONNECTIONS, REQUEST_DEADLINE, ScrapeServer
 from agent.policy.model import MetricsSettings
 from agent.status import ERROR_KINDS, PULL_STATES
 from agent.store import Store
@@ -284,30 +283,14 @@ def _policy(pol: Mapping[str, Any]) -> Iterator[Metric]:
             value=1 if pol["last_error"] else 0)
 
 
-# A scraper that connects and never sends (or never reads) is dropped after this many seconds;
-# without it each such connection holds a thread for ever.
-IDLE_TIMEOUT = 10.0
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _ThreadingWSGIServer6(_ThreadingWSGIServer):
-    address_family = socket.AF_INET6
-
-
 class Metrics:
     """Owns the registry, the HTTP endpoint and the textfile for one ``metrics`` policy."""
 
-    def __init__(self, policy: MetricsSettings, idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(self, policy: MetricsSettings, *, deadline: float = REQUEST_DEADLINE,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.policy = policy
-        self.idle_timeout = idle_timeout
+        self.deadline = deadline                # for a scrape's request and answer together
+        self.max_connections = max_connections
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
         self._lock = threading.Lock()
@@ -315,8 +298,7 @@ class Metrics:
         self._fetched: dict[str, int] = {}
         self._current: dict[str, str] = {}
         self._finished: dict[str, float] = {}
-        self._server: _ThreadingWSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: ScrapeServer | None = None
         # held by a textfile write and by stop()'s removal, so a last tick racing the daemon's
         # stop can't bring the file back
         self._textfile_lock = threading.Lock()
@@ -332,23 +314,19 @@ class Metrics:
             return
         host, _, port = self.policy.listen.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
-        handler = type("Handler", (_QuietHandler,), {"timeout": self.idle_timeout})
         try:
-            server = make_server(host, int(port), make_wsgi_app(self.registry),
-                                 _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer,
-                                 handler_class=handler)
+            server = ScrapeServer(host, int(port), make_wsgi_app(self.registry),
+                                  deadline=self.deadline, max_connections=self.max_connections)
         except (OSError, ValueError) as e:
             raise MetricsError(f"can't serve metrics on {self.policy.listen}: {e}; change "
                                "metrics.listen in the policy (or set it to null)") from e
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="metrics",
-                                        kwargs={"poll_interval": 0.5}, daemon=True)
-        self._thread.start()
+        server.start()
         log.info("metrics on http://%s/metrics", self.policy.listen)
 
     @property
     def port(self) -> int | None:
-        return self._server.server_address[1] if self._server is not None else None
+        return self._server.port if self._server is not None else None
 
     def stop(self) -> None:
         """Stops serving and removes the textfile. Left behind, node_exporter would go on
@@ -357,8 +335,7 @@ class Metrics:
         holds on a reload that moves or drops the textfile. A daemon killed without stopping
         leaves the file: ``node_textfile_mtime_seconds`` then stops moving."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
             self._server = None
         with self._textfile_lock:
             self._stopped = True

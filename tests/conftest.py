@@ -70,3 +70,18 @@ def testbed(request: pytest.FixtureRequest) -> Iterator[Testbed]:
             logs = tb.logs()
             if logs:
                 print(f"testbed {tb.prefix} logs:\n{logs}")
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that runs the CLI in-process (``agent.cli.main``) sets up logging, which adds a
+    handler on the root logger bound to that test's captured stderr: later tests' warnings
+    would then print "Logging error" tracebacks into a closed stream. Put the root logger back."""
+    import logging
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)

@@ -14,6 +14,7 @@ from agent.store.pointers import set_current
 from tests.daemon_helpers import (
     start_daemon,
     stop_daemon,
+    wagent,
     wait_for_socket,
     write_policy,
 )
@@ -64,17 +65,70 @@ def test_daemon_serves_metrics_and_writes_textfile(tmp_path):
     assert not textfile.exists()
 
 
+def test_slow_scrapers_leave_the_daemon_its_descriptors(tmp_path):
+    """Issue 21, as reported: connections to the metrics port that each trickle a header byte
+    took the daemon to its descriptor limit; `wagent status` timed out and the control socket
+    failed to accept. Now the daemon holds at most the endpoint's cap of them."""
+    import contextlib
+    import os
+    import socket
+    import threading
+
+    from agent.metrics_http import MAX_CONNECTIONS
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    policy = write_policy(tmp_path / "policy.yaml", tmp_path,
+                          metrics={"listen": f"127.0.0.1:{port}"})
+    proc = start_daemon(policy, log=tmp_path / "daemon.log")
+    clients, done = [], threading.Event()
+
+    def trickle():
+        while not done.wait(0.2):
+            for c in list(clients):
+                with contextlib.suppress(OSError):
+                    c.send(b"E")
+
+    trickler = threading.Thread(target=trickle)
+    try:
+        wait_for_socket(tmp_path / "control.sock", proc)
+        fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        trickler.start()
+        for _ in range(300):
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            c.sendall(b"G")
+            clients.append(c)
+        time.sleep(1)
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= fds + MAX_CONNECTIONS + 1
+        status = wagent("status", "--json", "--socket", str(tmp_path / "control.sock"),
+                        timeout=10)
+        assert status.returncode in (0, 1) and '"daemon"' in status.stdout, status
+        # answered (empty until the daemon's first metrics tick)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).status == 200
+    finally:
+        done.set()
+        if trickler.is_alive():
+            trickler.join()
+        for c in clients:
+            c.close()
+        stop_daemon(proc)
+    log = (tmp_path / "daemon.log").read_text()
+    assert "Traceback" not in log and "Too many open files" not in log, log
+
+
 def test_served_on_ipv6_loopback_and_idle_scrapers_are_dropped():
     import socket
     import urllib.request
 
-    from agent.metrics import IDLE_TIMEOUT, Metrics
+    from agent.metrics import Metrics
+    from agent.metrics_http import REQUEST_DEADLINE
     from agent.policy.model import MetricsSettings
     from agent.status import to_json
     from tests.unit.test_status import NOW, busy_state
 
-    assert 0 < IDLE_TIMEOUT <= 10
-    m = Metrics(MetricsSettings(listen="[::1]:0"), idle_timeout=0.5)
+    assert 0 < REQUEST_DEADLINE <= 10
+    m = Metrics(MetricsSettings(listen="[::1]:0"), deadline=0.5)
     m.start()
     try:
         m.update(to_json(busy_state(), NOW), {})

@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import socket
 import threading
@@ -205,3 +206,61 @@ def test_status_exit_codes_for_a_killed_daemon_and_a_live_one(tmp_path, server, 
     assert main(["status", "--socket", str(tmp_path / "none.sock")]) == 3
     srv, _ = server
     assert main(["status", "--json", "--socket", srv.path]) == 1   # {"schema": 1}: no health
+
+
+def raw(path, data):
+    """The daemon's answer to bytes sent as they are, as a dict (None: closed unanswered)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(data)
+        line = s.makefile("rb").readline()
+    return json.loads(line) if line else None
+
+
+def test_requests_python_cannot_decode_are_protocol_errors():
+    deep = b"[" * 60_000
+    huge = b'{"cmd": "status", "args": {"n": ' + b"7" * 5000 + b"}}"
+    for bad in (deep, huge, b'{"cmd": "status", "args": {"n": -' + b"1" * 200 + b"}}"):
+        with pytest.raises(ProtocolError):
+            parse_request(bad)
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_request(deep)
+    with pytest.raises(ProtocolError, match="5000 digits"):
+        parse_request(huge)
+    assert parse_request(b'{"cmd": "ping", "args": {"n": -12, "f": 1e400}}').cmd == "ping"
+
+
+def test_undecodable_requests_are_answered_not_fatal(server, caplog):
+    """Issue 21: deep nesting (RecursionError) or a 5000-digit integer (ValueError) killed the
+    connection's thread with a traceback and no answer."""
+    srv, _ = server
+    caplog.set_level(logging.INFO, logger="agent.control")
+    for bad, why in ((b"[" * 60_000 + b"\n", "nested too deeply"),
+                     (b'{"cmd": "status", "n": ' + b"9" * 5000 + b"}\n", "5000 digits")):
+        reply = raw(srv.path, bad)
+        assert reply is not None and reply["kind"] == "protocol" and why in reply["error"]
+        assert [r for r in caplog.records if why in r.getMessage()], why
+    assert call(srv.path, "status") == {"schema": 1}        # its slots were all given back
+    assert call(srv.path, "status") == {"schema": 1}
+    assert call(srv.path, "status") == {"schema": 1}
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_an_unexpected_failure_in_a_connection_is_answered_and_logged_once(tmp_path, caplog):
+    class Unencodable(FakeController):
+        def status(self):
+            return {"when": {1, 2}}          # a set: json can't encode it
+
+    srv = ControlServer(str(tmp_path / "run" / "c.sock"), Unencodable(), group=None,
+                        read_timeout=0.5, max_clients=1)
+    srv.start()
+    try:
+        for _ in range(3):                   # the one slot is given back each time
+            with pytest.raises(ControlError) as e:
+                call(srv.path, "status")
+            assert e.value.kind == "internal", e.value
+    finally:
+        srv.stop()
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(failures) == 3 and all(r.exc_info for r in failures)

@@ -1,12 +1,20 @@
 """Metrics come from the status document; checked in the exposition format as scraped."""
 
+import contextlib
 import dataclasses
+import gzip
+import logging
+import os
 import re
+import socket
+import threading
+import time
 
 from prometheus_client import generate_latest
 
 from agent import __version__
 from agent.metrics import READINGS, Metrics, families
+from agent.metrics_http import MAX_REQUEST, ScrapeServer
 from agent.policy.model import MetricsSettings
 from agent.status import ERROR_KINDS, PolicyInfo, PullInfo, StoreInfo, to_json
 from agent.store import Store
@@ -197,3 +205,154 @@ def test_backoffs_by_signal_kind():
     assert 'wagent_backoff_signal_events_total{signal="link"} 3.0' in text
     assert 'wagent_backoff_signal_events_total{signal="training_port"} 1.0' in text
     assert 'wagent_backoff_signal_events_total{signal="rdma"} 0.0' in text
+
+
+# -- the endpoint, served on loopback -----------------------------------------------------------
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def served(**kw):
+    m = Metrics(MetricsSettings(listen="127.0.0.1:0"), **kw)
+    m.start()
+    m.update(to_json(busy_state(), NOW), {})
+    return m
+
+
+def get(port, request=b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", timeout=5):
+    """The raw answer to one request: everything the server sends before it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def closed_by_server(s):
+    try:
+        s.settimeout(0)
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False           # still open, nothing to read
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_scrapers_cannot_take_the_daemons_descriptors(caplog, capfd, monkeypatch):
+    """Issue 21: connections that trickle a header byte every few seconds each held a thread
+    and a descriptor for ever (a per-recv timeout never fires), until the daemon had none left;
+    a timed-out one printed a traceback. Now: at most `max_connections` held, the whole request
+    within the deadline, a fresh scrape answered meanwhile, and no traceback."""
+    cap, deadline, slow_n = 8, 1.5, 200
+    caplog.set_level(logging.DEBUG, logger="agent")
+    # an earlier test's `wagent` CLI run leaves its stderr handler on the root logger, writing to
+    # a capture since closed: its "Logging error" tracebacks are not the server's
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers",
+                        [h for h in root.handlers if type(h) is not logging.StreamHandler])
+    m = served(deadline=deadline, max_connections=cap)
+    clients, done = [], threading.Event()
+
+    def trickle():                       # a byte from each slow client, on and on
+        while not done.wait(0.1):
+            for s in list(clients[:slow_n]):
+                with contextlib.suppress(OSError):
+                    s.send(b"E")
+
+    base_fds, base_threads = fd_count(), threading.active_count()
+    trickler = threading.Thread(target=trickle)
+    trickler.start()
+    try:
+        for _ in range(slow_n):
+            s = socket.create_connection(("127.0.0.1", m.port), timeout=5)
+            s.sendall(b"G")
+            clients.append(s)
+        # the newest: a request line and then nothing; the server must cut these, quietly
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", m.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            clients.append(s)
+        opened = time.monotonic()
+        held, threads, scrape = [], [], None
+        while time.monotonic() < opened + deadline * 0.8:      # all open, none cut by time yet
+            held.append(fd_count() - base_fds - len(clients))
+            threads.append(threading.active_count() - base_threads - 1)   # but the trickler
+            if scrape is None:
+                scrape = get(m.port, timeout=2)
+            time.sleep(0.1)
+        # descriptors and threads the server holds stay bounded by the cap, not by the clients
+        # (one more for the moment between accepting a connection and closing the oldest)
+        assert max(held) <= cap + 1, held
+        assert max(threads) == 0, threads
+        # and a normal scrape was answered while they were all trying
+        assert scrape.startswith(b"HTTP/1.1 200 ") and b"wagent_up 1.0" in scrape, scrape[:300]
+        # past the deadline, every one of them is closed, however it trickles
+        time.sleep(deadline * 0.2 + 0.5)
+        assert [closed_by_server(s) for s in clients] == [True] * len(clients)
+        assert b"wagent_up 1.0" in get(m.port)
+    finally:
+        done.set()
+        trickler.join()
+        for s in clients:
+            s.close()
+        m.stop()
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) <= 1
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_deadline_is_the_clocks_not_the_recv_timeouts():
+    """A connection is cut when the clock passed in says its time is up, however recently it
+    sent a byte: here no real time passes, only the clock moves."""
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return [b"ok"]
+
+    now = [1000.0]
+    server = ScrapeServer("127.0.0.1", 0, app, deadline=60, clock=lambda: now[0])
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\n")
+            assert get(server.port).endswith(b"\r\n\r\nok")      # the loop has taken `slow` in
+            assert not closed_by_server(slow)
+            now[0] += 61
+            get(server.port)                     # any event wakes the loop, which cuts `slow`
+            slow.settimeout(5)
+            assert slow.recv(1) == b""
+    finally:
+        server.stop()
+
+
+def test_requests_it_does_not_serve():
+    m = served(max_connections=2)
+    try:
+        assert get(m.port, b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 405 ")
+        assert get(m.port, b"hello\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+        assert get(m.port, b"GET /metrics HTTP/1.1\r\nno colon\r\n\r\n").startswith(
+            b"HTTP/1.1 400 ")
+        big = b"GET /metrics HTTP/1.1\r\nX: " + b"x" * MAX_REQUEST
+        assert get(m.port, big).startswith(b"HTTP/1.1 431 ")
+        head = get(m.port, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+        assert b"Content-Length: 0" not in head
+        # prometheus-client 0.16 answers the favicon with an empty header name: not sent
+        icon = get(m.port, b"GET /favicon.ico HTTP/1.1\r\n\r\n")
+        assert icon.startswith(b"HTTP/1.1 200 ") and b"\r\n: \r\n" not in icon
+        # what the library does is kept: gzip when asked, OpenMetrics when asked
+        gz = get(m.port, b"GET /metrics HTTP/1.1\r\nAccept-Encoding: gzip\r\n\r\n")
+        head, _, body = gz.partition(b"\r\n\r\n")
+        assert b"Content-Encoding: gzip" in head and b"wagent_up" in gzip.decompress(body)
+        om = get(m.port, b"GET /metrics HTTP/1.1\r\n"
+                 b"Accept: application/openmetrics-text; version=1.0.0\r\n\r\n")
+        assert om.rstrip().endswith(b"# EOF"), om[-100:]
+        # a slow client's bytes split across packets still make one request
+        with socket.create_connection(("127.0.0.1", m.port), timeout=5) as s:
+            for part in (b"GET /met", b"rics HTTP/1.1\r\nHost:", b" x\r\n", b"\r\n"):
+                s.sendall(part)
+                time.sleep(0.02)
+            answer = s.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"wagent_up 1.0" in answer
+    finally:
+        m.stop()
