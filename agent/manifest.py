@@ -40,6 +40,10 @@ MAX_NAME_BYTES = 255                  # NAME_MAX of Linux file systems
 MAX_PATH_BYTES = 1024                 # well inside PATH_MAX (4096) once under a store
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,199}$")
+# Names a model's directory gives its own entries, never a version's (all the others a store
+# makes there start with '.', which no name may): what each one is, for the refusal's message.
+RESERVED_VERSIONS = {"current": "the pointer to the version a node serves",
+                     "latest": "the name of the newest version, on an origin or a cache node"}
 _RFC3339_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 MAX_COUNT = 2**63                     # sizes and offsets stay below (off_t)
 _SHORT = reprlib.Repr()
@@ -78,11 +82,27 @@ class Manifest:
 
 
 def check_name(kind: str, name: object) -> str:
-    """A model or version name: one path component, usable in a URL and as a directory name."""
+    """A model or version name: one path component, usable in a URL and as a directory name.
+
+    A version may not take a name the store gives its own entries in a model's directory
+    (``RESERVED_VERSIONS``; names starting with '.' are refused for every kind): a version
+    called ``current`` would be published where the current pointer goes, and hidden from
+    ``store ls``, ``verify`` and eviction, which would then delete its blobs.
+
+    >>> check_name("version", "v7")
+    'v7'
+    >>> check_name("version", "current")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ManifestError: version name 'current' is reserved: the store uses it ...
+    """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ManifestError(
             f"{kind} name {name!r} is not usable: use letters, digits and . _ + - (at most 200, "
             "not starting with '.' or '-', no '/')")
+    if kind == "version" and name in RESERVED_VERSIONS:
+        raise ManifestError(
+            f"version name {name!r} is reserved: the store uses it beside the versions "
+            f"({RESERVED_VERSIONS[name]}); publish the version under another name")
     return name
 
 

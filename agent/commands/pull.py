@@ -16,13 +16,21 @@ from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
 
+from agent.manifest import ManifestError, check_name
 from agent.policy import PolicyError, load_policy
 from agent.policy.model import Pulls, Source
-from agent.pull.engine import PullError, PullOptions, pull_version
+from agent.pull.engine import (
+    PullError,
+    PullOptions,
+    fetch_manifest,
+    pull_version,
+    resolve_latest,
+)
 from agent.pull.progress import Reporter, summary
 from agent.ratelimit import TokenBucket
 from agent.redact import redact
 from agent.store import Store, StoreError, pointers
+from agent.store.verify import drop_bad_blobs
 from agent.units import UnitError, parse_rate, parse_size
 from shaping.errors import ShapingError
 from shaping.runtime import around_pull
@@ -67,6 +75,12 @@ def split_url(url: str) -> tuple[str, str, str]:
     if scheme not in ("http", "https"):
         raise ValueError(f"URL {redact(url)!r}: {scheme}:// is not supported; sources are "
                          "http:// or https://")
+    try:
+        check_name("model", parts[1])
+        if parts[2] != "latest":            # 'latest' is resolved; any other must be a version
+            check_name("version", parts[2])
+    except ManifestError as e:
+        raise ValueError(f"URL {redact(url)!r}: {e}") from None
     return parts[0], parts[1], parts[2]
 
 
@@ -131,11 +145,13 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
     restore = _stop_on_term(stop)
     store = Store(args.store)
     try:
+        if args.verify_files:
+            version = _drop_bad_blobs(sources, model, version, store, options)
         result = pull_version(sources, model, version, store, options=options,
                               bucket=bucket, progress=reporter, stop=stop)
         if args.current:
             pointers.set_current(store, result.model, result.version)
-    except (PullError, StoreError) as e:
+    except (PullError, StoreError, OSError) as e:
         reporter.end()
         print(f"wagent pull: {e}", file=sys.stderr)
         if args.json:
@@ -158,6 +174,22 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
     elif not args.quiet:
         print(summary(result), file=sys.stderr)
     return 0
+
+
+def _drop_bad_blobs(sources: list[Source], model: str, version: str, store: Store,
+                    options: PullOptions) -> str:
+    """``--verify-files`` distrusts what the store holds too: every blob the version would use
+    that is there already is re-hashed first, and one that fails is removed, so that the pull
+    fetches it again rather than report a damaged version installed. Returns the version
+    (``latest`` resolved once, here, so the check and the pull see the same one)."""
+    if version == "latest":
+        version = resolve_latest(sources, model, options)
+    m = store.version_manifest(model, version)
+    if m is None:                         # a new version may still share blobs with others
+        _, m = fetch_manifest(sources, model, version, options)
+    for p in drop_bad_blobs(store, m):
+        print(f"wagent pull: {p.model}/{p.version}/{p.path}: {p.why}", file=sys.stderr)
+    return version
 
 
 def _policy_pulls(path: str) -> Pulls:

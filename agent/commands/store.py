@@ -1,10 +1,12 @@
 """`wagent store ls|verify|gc|pin|unpin`: the store on this node, read and tended by hand.
 
 None needs the daemon. ``ls`` lists models and versions with their sizes, which is current, pins
-and last use; ``verify`` re-hashes every file of the published versions (exit 1 naming each bad
-file); ``gc`` removes blobs no version references, what crashes left and partial files no pull
-holds (``--dry-run`` only says what would go); ``pin``/``unpin`` keep a version from eviction
-beside the policy's pins.
+and last use, and the versions that miss a file; ``verify`` re-hashes every file of the published
+versions (exit 1 naming each bad file) and removes each blob whose bytes are wrong, so that no
+version serves it and the next pull fetches it again; ``verify --repair`` pulls those versions
+again at once, from ``--source`` or the policy's sources; ``gc`` removes blobs no version
+references, what crashes left and partial files no pull holds (``--dry-run`` only says what would
+go); ``pin``/``unpin`` keep a version from eviction beside the policy's pins.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from typing import Any
 
 from agent.commands import add_store_arguments, store_root
 from agent.manifest import ManifestError
+from agent.policy import PolicyError, load_policy
+from agent.policy.model import Pulls, Source
+from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store, StoreError, pointers, space
-from agent.store.verify import verify, versions
+from agent.store.verify import Checker, Problem, versions
 from agent.units import format_duration, format_size
 
 
@@ -29,8 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions.required = True
     ls = actions.add_parser("ls", help="models and versions: size, current, pins, last use")
     ls.set_defaults(func=run_ls)
-    ver = actions.add_parser("verify", help="re-hash published files; exit 1 naming each bad one")
+    ver = actions.add_parser("verify", help="re-hash published files; exit 1 naming each bad "
+                                            "one; a damaged blob is removed")
     ver.add_argument("target", nargs="?", metavar="MODEL[/VERSION]")
+    ver.add_argument("--repair", action="store_true",
+                     help="pull the versions with a bad or missing file again (from --source, "
+                          "else the policy's sources)")
+    ver.add_argument("--source", action="append", default=[], metavar="URL",
+                     help="a source base URL for --repair (repeatable; default: the policy's)")
     ver.set_defaults(func=run_verify)
     gc = actions.add_parser("gc", help="remove unreferenced blobs, crash leftovers and stale "
                                        "partial files")
@@ -65,10 +76,16 @@ def run_ls(args: argparse.Namespace) -> int:
             vs = store.versions(model)
         except ManifestError:
             continue
+        complete = {v.version for v in vs}
+        incomplete = [{"version": m.version, "missing": store.missing(m),
+                       "current": m.version == pointers.current_target(store, model)}
+                      for m in store.every_manifest()
+                      if m.model == model and m.version not in complete]
         models.append({"model": model, "current": current, "versions": [
             {"version": v.version, "size": v.size, "published": v.published,
              "last_used": v.last_used, "current": v.version == current,
-             "pinned": v.version in pins.get(model, set()), "path": str(v.path)} for v in vs]})
+             "pinned": v.version in pins.get(model, set()), "path": str(v.path)} for v in vs],
+            "incomplete": incomplete})
     doc = {"store": str(store.root), "used_bytes": store.usage(), "models": models}
     lines = [f"store {store.root}: {format_size(doc['used_bytes'])} used"]
     for m in models:
@@ -78,6 +95,10 @@ def run_ls(args: argparse.Namespace) -> int:
             lines.append(f"  {v['version']:<24} {format_size(v['size']):>10}  used "
                          f"{format_duration(max(0.0, now - v['last_used']))} ago"
                          + (f"  ({', '.join(marks)})" if marks else ""))
+        for v in m["incomplete"]:
+            lines.append(f"  {v['version']:<24} incomplete: {len(v['missing'])} file(s) missing, "
+                         "pull it again" + ("  (current: serving a missing file)"
+                                            if v["current"] else ""))
     if not models:
         lines.append("no complete version")
     _out(args, doc, "\n".join(lines))
@@ -87,27 +108,90 @@ def run_ls(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     store = _store(args)
     model, _, version = (args.target or "").partition("/")
+    checker = Checker(store, remove=True)
     checked, bad = [], []
     for m in versions(store, model or None, version or None):
         checked.append(f"{m.model}/{m.version}")
-        bad += verify(store, m)
-    doc = {"store": str(store.root), "checked": checked,
-           "bad": [{"model": p.model, "version": p.version, "path": p.path, "why": p.why}
-                   for p in bad]}
+        bad += checker.verify(m)
     if args.target and not checked:
         print(f"wagent store verify: no version {args.target} in {store.root}", file=sys.stderr)
         return 1
-    text = "\n".join([f"{p.model}/{p.version}/{p.path}: {p.why}" for p in bad]
-                     + [f"{len(checked)} version(s) checked, {len(bad)} bad file(s)"])
-    _out(args, doc, text)
-    return 1 if bad else 0
+    # A version with a wrong whole-file sha256 (every piece right) is the manifest's fault:
+    # pulling again would bring the same bytes.
+    broken = sorted({(p.model, p.version) for p in bad if p.blob is not None or
+                     "whole file's sha256" not in p.why})
+    repaired: list[str] = []
+    unrepaired: list[dict[str, str]] = []
+    if args.repair and broken:
+        repaired, unrepaired = _repair(args, store, broken)
+    doc = {"store": str(store.root), "checked": checked,
+           "bad": [{"model": p.model, "version": p.version, "path": p.path, "why": p.why,
+                    "blob": p.blob, "removed": p.removed} for p in bad],
+           "repaired": repaired, "unrepaired": unrepaired}
+    lines = [f"{p.model}/{p.version}/{p.path}: {p.why}"
+             + (f"; its blob {p.blob[:12]} was removed" if p.removed and p.blob else "")
+             for p in bad]
+    lines.append(f"{len(checked)} version(s) checked, {len(bad)} bad file(s)")
+    if args.repair:
+        lines += [f"repaired {v}: pulled again and verified" for v in repaired]
+        lines += [f"not repaired {u['version']}: {u['why']}" for u in unrepaired]
+    elif broken:
+        lines.append(_incomplete_hint(store, broken))
+    _out(args, doc, "\n".join(lines))
+    left = {f"{p.model}/{p.version}" for p in bad} - set(repaired)
+    return 1 if left else 0
+
+
+def _incomplete_hint(store: Store, broken: list[tuple[str, str]]) -> str:
+    """What a removed blob means for its versions, and how they become whole again."""
+    current = [f"{m}/{v}" for m, v in broken if pointers.current_target(store, m) == v]
+    names = ", ".join(f"{m}/{v}" for m, v in broken)
+    text = (f"incomplete until pulled again: {names} (the daemon pulls the version it follows "
+            "at its next poll; by hand: wagent pull SOURCE/MODEL/VERSION --store "
+            f"{store.root}, or wagent store verify --repair)")
+    if current:
+        text += (f"; current, and missing a file meanwhile: {', '.join(current)} (wagent wait "
+                 "MODEL returns once it is whole)")
+    return text
+
+
+def _repair(args: argparse.Namespace, store: Store, broken: list[tuple[str, str]]
+            ) -> tuple[list[str], list[dict[str, str]]]:
+    """Pull each broken version again (only what is missing is fetched), then verify it."""
+    sources = [Source(u) for u in args.source]
+    pulls = Pulls()
+    if not sources:
+        try:
+            policy = load_policy(args.policy)
+            sources, pulls = list(policy.sources), policy.pulls
+        except (PolicyError, OSError) as e:
+            why = (f"the store records no source and the policy {args.policy} gives none "
+                   f"({str(e).splitlines()[0]}): give --source URL")
+            return [], [{"version": f"{m}/{v}", "why": why} for m, v in broken]
+    options = PullOptions.from_policy(pulls)
+    repaired, unrepaired = [], []
+    for model, version in broken:
+        name = f"{model}/{version}"
+        try:
+            pull_version(sources, model, version, store, options=options)
+        except (PullError, StoreError) as e:
+            unrepaired.append({"version": name, "why": str(e)})
+            continue
+        m = store.installed(model, version)
+        left: list[Problem] = Checker(store, remove=True).verify(m) if m is not None else []
+        if m is None or left:
+            why = "; ".join(f"{p.path}: {p.why}" for p in left) or "still incomplete"
+            unrepaired.append({"version": name, "why": why})
+        else:
+            repaired.append(name)
+    return repaired, unrepaired
 
 
 def run_gc(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         removed = space.gc(store, time.time(), dry_run=args.dry_run)
-    except space.BusyError as e:
+    except (space.BusyError, StoreError) as e:     # StoreError: a store others could change
         print(f"wagent store gc: {e}", file=sys.stderr)
         return 1
     total = sum(r.size for r in removed)

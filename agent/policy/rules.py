@@ -11,6 +11,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from agent import units
 from agent.cron import CronError, parse_cron
+from agent.manifest import ManifestError, check_name
 from agent.policy.build import Builder
 from agent.policy.model import SCHEMA_VERSION, Policy
 from agent.redact import redact
@@ -140,9 +141,12 @@ def _check_models(p: Policy, b: Builder) -> None:
                           f"each model once")
         seen.setdefault(m.name, line)
         for what, v in [("version", m.version)] + [(f"pin[{j}]", x) for j, x in enumerate(m.pin)]:
-            if not _NAME.match(v) or "/" in v or v in (".", ".."):
-                b.error(b.line_of(f"{where}.{what}", line),
-                        f"{where}.{what} {v!r} must be one name: letters, digits and . _ + -")
+            if what == "version" and v == "latest":
+                continue                        # follow the newest, not a version's name
+            try:
+                check_name("version", v)        # the rule every pull applies (issue 21)
+            except ManifestError as e:
+                b.error(b.line_of(f"{where}.{what}", line), f"{where}.{what}: {e}")
 
 
 def _check_rates(p: Policy, b: Builder) -> None:

@@ -17,7 +17,13 @@ Safety rules: the store never writes through a symlink (every directory it write
 with lstat first, and manifest paths are checked before); paths inside a version are resolved one
 component at a time with O_NOFOLLOW; every file and directory gets an explicit mode (0755
 directories, 0444 blobs, 0644 files) whatever the caller's umask, so no other user can swap a
-part of the tree. Durability: a blob's rename is made durable (fsync of blobs/) before any version
+part of the tree. Before anything is written, the root and every directory above it must pass
+``agent.ownership``'s rule (owned by root, this user or ``wagent``, writable by no one else),
+and what the store keeps in it must be its owner's: whoever could rename ``blobs/`` could serve
+zeros as a verified version. The locks (``.lock``, ``.usage.lock``, the journals in
+``partial/``) are out of everyone else's reach (0600 files, ``partial/`` 0700): flock works on
+a read-only descriptor, so a reader who could open a lock could hold it and stall every pull.
+Durability: a blob's rename is made durable (fsync of blobs/) before any version
 links to it, and a version directory is fsynced, with everything in it, before it is renamed into
 place and its parent fsynced, so after a power cut a version is either absent or complete.
 
@@ -44,14 +50,30 @@ from pathlib import Path
 from agent.blob_id import blob_id
 from agent.durable import fsync_dir, write_atomic
 from agent.manifest import MANIFEST_NAME, Manifest, ManifestError, check_name, parse, published_ts
+from agent.ownership import (
+    dir_problem,
+    inner_problem,
+    make_missing,
+    open_lock_file,
+    trusted_uids,
+    user_name,
+)
 
 log = logging.getLogger(__name__)
 DIR_MODE = 0o755
 FILE_MODE = 0o644
 BLOB_MODE = 0o444
+# Readers of the store (nginx on a cache node, inference servers in the wagent group) need only
+# blobs/ and models/; what a reader can open it can flock, so the locks are the owner's alone.
+PARTIAL_MODE = 0o700
+LOCKS = (".lock", ".usage.lock")
+_RISK = "swap the store's files, and a version would serve bytes no pull verified"
+_ALSO = (", or point the store (--store, or store.path in the policy) at a directory only root "
+         "or the service's user can write")
 # Names in a model directory that are no version: the current pointer, a cache's announcement.
 NOT_VERSIONS = frozenset({"current", "latest"})
 _BLOB_NAME = re.compile(r"^[0-9a-f]{64}$")
+BAD_BLOB = ".bad-"              # prefix of a blob being removed after failing verification
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -86,13 +108,53 @@ class Store:
 
     # -- layout ---------------------------------------------------------------------------------
     def ensure(self) -> None:
-        """Create the store's directories, refusing any that is a symlink or not a directory."""
-        if not self.root.is_dir():
-            os.makedirs(self.root, exist_ok=True)   # the root may be a symlink the admin made
-            os.chmod(self.root, DIR_MODE)
-            fsync_dir(self.root.parent)
-        for d in (self.blobs, self.models, self.partial):
-            real_dir(d)
+        """Create the store's directories, refusing any that is a symlink or not a directory,
+        and a store someone untrusted could change: its root or a directory above it (checked
+        before anything is made), or what it keeps (blobs/, models/, partial/, each model's
+        directory, the locks). What an older wagent left open to readers is closed: partial/
+        becomes 0700 and the locks 0600."""
+        trusted = trusted_uids()
+        self._check_root(trusted, missing_ok=True)
+        # the root may be a symlink the admin made; missing parents come out 0755 whatever
+        # the umask (a world-writable parent would fail the check below)
+        for d in make_missing(str(self.root), DIR_MODE):
+            fsync_dir(Path(d).parent)
+        self._check_root(trusted)
+        for d, mode in ((self.blobs, DIR_MODE), (self.models, DIR_MODE),
+                        (self.partial, PARTIAL_MODE)):
+            real_dir(d, mode)
+        owner = os.stat(self.root).st_uid
+        inside = [self.blobs, self.models, self.partial]
+        with os.scandir(self.models) as it:
+            inside += [Path(e.path) for e in it]
+        inside += [self.root / n for n in LOCKS if os.path.lexists(self.root / n)]
+        for p in inside:
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue                # a model directory removed meanwhile
+            problem = inner_problem(str(p), st, owner, risk=_RISK)
+            if problem is not None:
+                raise StoreError(f"the store {self.root} is not safe: {problem}")
+        try:
+            if stat.S_IMODE(os.lstat(self.partial).st_mode) != PARTIAL_MODE:
+                os.chmod(self.partial, PARTIAL_MODE)
+            for n in LOCKS:
+                os.close(open_lock_file(self.root / n))
+        except PermissionError as e:
+            who = user_name(owner)
+            raise StoreError(f"can't keep the store's locks from other users: {e.filename}: "
+                             f"{e.strerror}; fix: chown -R {who} {self.root}, or run this as "
+                             f"{who}") from None
+
+    def _check_root(self, trusted: frozenset[int], missing_ok: bool = False) -> None:
+        try:
+            problem = dir_problem(str(self.root), trusted, risk=_RISK, also=_ALSO,
+                                  missing_ok=missing_ok)
+        except OSError as e:
+            raise StoreError(f"can't check who may change the store {self.root}: {e}") from None
+        if problem is not None:
+            raise StoreError(f"the store {self.root} is not safe: {problem}")
 
     def check_writable(self, model: str, version: str) -> None:
         """Refuse, before anything is written, a store whose model or version path is a symlink."""
@@ -120,6 +182,33 @@ class Store:
             return False
         return stat.S_ISREG(st.st_mode) and (size is None or st.st_size == size)
 
+    def drop_blob(self, name: str, same_as: tuple[int, int] | None = None) -> bool:
+        """Take a blob out of blobs/ (one whose bytes failed verification): the versions that
+        link it are incomplete until a pull fetches it again, so a damaged file is never served
+        nor kept. ``same_as``: the (st_dev, st_ino) of the file found bad; a blob that a pull put
+        in its place since stays. Returns whether it went.
+
+        Moved aside first (``.bad-`` names, which ``space.clean`` removes if a crash leaves one),
+        then checked: a pull's rename can't slip between the check and the removal."""
+        path = self.blob_path(name)
+        aside = self.blobs / f"{BAD_BLOB}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.lstat(aside)
+        except FileNotFoundError:
+            return True                     # cleaned up meanwhile: gone all the same
+        if not stat.S_ISREG(st.st_mode) or (same_as is not None
+                                            and (st.st_dev, st.st_ino) != same_as):
+            os.rename(aside, path)          # not the file found bad: put it back
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+        fsync_dir(self.blobs)
+        return True
+
     def blob_sizes(self) -> dict[str, int]:
         """Name -> size of the regular files in blobs/ (a symlink there is no blob)."""
         out = {}
@@ -135,14 +224,16 @@ class Store:
         """The manifest of an installed version: a real directory whose every file links to the
         blob of its pieces, of its size; else None (a pull then publishes it anew)."""
         m = self._version_manifest(model, version)
-        if m is None:
+        if m is None or self.missing(m):
             return None
-        linked = self.linked_blobs(m)
-        for f in m.files:
-            bid = blob_id(f)
-            if linked.get(f.path) != bid or not self.has_blob(bid, f.size):
-                return None
         return m
+
+    def missing(self, m: Manifest) -> list[str]:
+        """The paths of a version whose link is not to the blob of its pieces, or whose blob is
+        gone (removed after failing verification, say): it is incomplete while there are any."""
+        linked = self.linked_blobs(m)
+        return [f.path for f in m.files
+                if linked.get(f.path) != (bid := blob_id(f)) or not self.has_blob(bid, f.size)]
 
     def linked_blobs(self, m: Manifest) -> dict[str, str]:
         """path -> the blob its symlink names, for every file of a version whose link is one
@@ -172,6 +263,10 @@ class Store:
             yield fd
         finally:
             os.close(fd)
+
+    def version_manifest(self, model: str, version: str) -> Manifest | None:
+        """The manifest of a version directory, complete or not; None if there is none."""
+        return self._version_manifest(model, version)
 
     def _version_manifest(self, model: str, version: str) -> Manifest | None:
         """The manifest.json of a version directory, complete or not."""
@@ -352,6 +447,7 @@ class Store:
     @contextlib.contextmanager
     def usage_lock(self) -> Iterator[None]:
         """Two pulls may touch at once (both hold the store lock shared): no lost update."""
+        self.ensure()
         with _flocked(self.root / ".usage.lock", fcntl.LOCK_EX):
             yield
 
@@ -372,7 +468,8 @@ class Store:
         """Bytes held by blobs and partial files."""
         total = 0
         for d in (self.blobs, self.partial):
-            with contextlib.suppress(FileNotFoundError), os.scandir(d) as it:
+            # partial/ is the owner's alone: a reader's `store ls` counts the blobs only
+            with contextlib.suppress(FileNotFoundError, PermissionError), os.scandir(d) as it:
                 for e in it:
                     with contextlib.suppress(FileNotFoundError):
                         total += e.stat(follow_symlinks=False).st_blocks * 512
@@ -393,7 +490,8 @@ class Store:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[bool]:
         """The store lock, exclusive if no pull holds it: yields whether it was had."""
-        fd = _open_lock(self.root / ".lock")
+        self.ensure()
+        fd = open_lock_file(self.root / ".lock")
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -411,18 +509,12 @@ def distinct_size(m: Manifest) -> int:
 
 @contextlib.contextmanager
 def _flocked(path: Path, how: int) -> Iterator[None]:
-    fd = _open_lock(path)
+    fd = open_lock_file(path)
     try:
         fcntl.flock(fd, how)
         yield
     finally:
         os.close(fd)
-
-
-def _open_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    os.fchmod(fd, FILE_MODE)
-    return fd
 
 
 def _readlink_at(dir_fd: int, rel: str) -> str | None:
@@ -453,14 +545,15 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
 
 
-def real_dir(path: Path) -> Path:
-    """``path`` as a real directory (created if missing); a symlink or a file there is refused."""
+def real_dir(path: Path, mode: int = DIR_MODE) -> Path:
+    """``path`` as a real directory (created with ``mode`` if missing); a symlink or a file
+    there is refused."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         try:
-            os.mkdir(path, DIR_MODE)
-            os.chmod(path, DIR_MODE)        # the mode asked, whatever the umask
+            os.mkdir(path, mode)
+            os.chmod(path, mode)            # the mode asked, whatever the umask
             fsync_dir(path.parent)
         except FileExistsError:
             pass

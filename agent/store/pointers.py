@@ -27,36 +27,59 @@ PINS_FILE = "pins.json"
 
 def current(store: Store, model: str) -> str | None:
     """The version ``current`` names, if it is a link to a complete version."""
+    target = current_target(store, model)
+    return target if target is not None and store.installed(model, target) is not None else None
+
+
+def current_target(store: Store, model: str) -> str | None:
+    """The version ``current`` names, complete or not (one that lost a blob still is the
+    one an inference server opens)."""
     try:
         target = os.readlink(store.model_dir(model) / CURRENT)
-    except OSError:
+    except (OSError, ValueError):
         return None
     try:
-        check_name("version", target)
+        return check_name("version", target)
     except ValueError:
         return None
-    return target if store.installed(model, target) is not None else None
 
 
 def set_current(store: Store, model: str, version: str) -> bool:
-    """Point ``current`` at a complete version; returns whether it changed."""
-    if store.installed(model, version) is None:
-        raise StoreError(f"{model}/{version} is not complete in the store {store.root}: "
-                         "pull it first")
-    model_dir = store.model_dir(model)
-    link = model_dir / CURRENT
-    with contextlib.suppress(OSError):
-        if os.readlink(link) == version:
-            return False
-    tmp = model_dir / f".current-{uuid.uuid4().hex[:8]}"
-    os.symlink(version, tmp)
-    try:
-        os.replace(tmp, link)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(model_dir)
+    """Point ``current`` at a complete version; returns whether it changed.
+
+    Under the store lock (shared, as a pull): no eviction removes the version between the check
+    and the switch, and no clean takes the new link (``.current-*``) for a crash's leftover
+    before it is renamed into place."""
+    check_name("version", version)
+    with store.pull_lock():
+        if store.installed(model, version) is None:
+            raise StoreError(f"{model}/{version} is not complete in the store {store.root}: "
+                             "pull it first")
+        model_dir = store.model_dir(model)
+        link = model_dir / CURRENT
+        with contextlib.suppress(OSError):
+            if os.readlink(link) == version:
+                return False
+        if os.path.isdir(link) and not os.path.islink(link):
+            raise StoreError(f"{link} is a directory, not the current pointer (a version an "
+                             f"older wagent published under the name {CURRENT!r}, which the "
+                             "store doesn't list, verify or keep): remove it by hand")
+        for attempt in range(3):
+            tmp = model_dir / f".current-{uuid.uuid4().hex[:8]}"
+            os.symlink(version, tmp)
+            try:
+                os.replace(tmp, link)
+                break
+            except FileNotFoundError:
+                # Our new link taken by an older wagent's clean that ran beside us: make
+                # another one.
+                if attempt == 2:
+                    raise
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+        fsync_dir(model_dir)
     return True
 
 

@@ -19,11 +19,12 @@ from agent.blob_id import blob_id
 from agent.manifest import ManifestError, published_ts
 from agent.store import evict as evict_choice
 from agent.store import partial, pointers
-from agent.store.layout import Removed, Store, distinct_size, remove_tree
+from agent.store.layout import BAD_BLOB, Removed, Store, distinct_size, remove_tree
 
 log = logging.getLogger(__name__)
 PARTIAL_AFTER = 7 * 86400.0     # a partial file no pull advanced for a week is dropped
 GC_PARTIAL_AFTER = 3600.0       # by hand: a partial file idle for an hour is stale
+LEFTOVER_AFTER = 600.0          # a temporary link or file no lock covers, left this long
 
 
 def clean(store: Store, now: float, partial_after: float | None = PARTIAL_AFTER,
@@ -38,7 +39,7 @@ def clean(store: Store, now: float, partial_after: float | None = PARTIAL_AFTER,
 
 def _clean(store: Store, alone: bool, now: float, partial_after: float | None,
            wanted: Callable[[str], bool] | None, dry_run: bool) -> list[Removed]:
-    removed = _clean_dirs(store, dry_run) if alone else []
+    removed = _clean_dirs(store, now, dry_run) if alone else []
     blobs = store.blob_sizes()
 
     def stale(name: str, idle: float) -> bool:
@@ -49,14 +50,32 @@ def _clean(store: Store, alone: bool, now: float, partial_after: float | None,
                       for name, size in partial.clean(store.partial, now, stale, dry_run)]
 
 
-def _clean_dirs(store: Store, dry_run: bool) -> list[Removed]:
-    """The ``.tmp-``/``.trash-`` directories of versions and the temporary files of the store."""
+def _clean_dirs(store: Store, now: float, dry_run: bool) -> list[Removed]:
+    """The ``.tmp-``/``.trash-`` directories of versions and the temporary files of the store.
+
+    The directories are made and removed under the store lock (a pull's publish, an eviction),
+    so one seen by the exclusive holder is a crash's. A temporary link or file in a model
+    directory (``.current-*`` of ``set_current``, ``.tmp-latest-*`` of a cache's announcement)
+    may be another process's, between its creation and its rename, when that process holds no
+    lock (an older wagent, an announcement): it goes once it is ``LEFTOVER_AFTER`` old."""
     found: list[Path] = []
+
+    def stale(e: os.DirEntry[str]) -> bool:
+        with contextlib.suppress(OSError):
+            if e.is_dir(follow_symlinks=False):
+                return True
+            # ctime: set when the link or file was made, and by the rename that set a blob
+            # aside (which keeps the blob's old mtime)
+            return now - e.stat(follow_symlinks=False).st_ctime >= LEFTOVER_AFTER
+        return False
+
     for model in store.model_names():
         with contextlib.suppress(FileNotFoundError, NotADirectoryError, ManifestError), \
                 os.scandir(store.model_dir(model)) as it:
             found += [Path(e.path) for e in it
-                      if e.name.startswith((".tmp-", ".trash-", ".current-"))]
+                      if e.name.startswith((".tmp-", ".trash-", ".current-")) and stale(e)]
+    with contextlib.suppress(FileNotFoundError), os.scandir(store.blobs) as it:
+        found += [Path(e.path) for e in it if e.name.startswith(BAD_BLOB) and stale(e)]
     with contextlib.suppress(FileNotFoundError), os.scandir(store.root) as it:
         # durable.write_atomic's temporary names (".usage.tmp-" from wagent before 2026-12)
         found += [Path(e.path) for e in it if e.name.startswith(

@@ -3,6 +3,7 @@ filled by a real pull from nginx on loopback."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from agent.store import Store, pointers, space
 from tests import modelgen
-from tests.pull_helpers import LoopbackNginx, publish, publish_dir
+from tests.pull_helpers import LoopbackNginx, publish, publish_dir, same_files
 
 pytestmark = pytest.mark.debian
 
@@ -137,3 +138,176 @@ def test_pull_current_and_json(origin, tmp_path):
         assert os.readlink(store / "models" / "m" / "current") == "v1"   # not without --current
         r = wagent("pull", f"{ng.url}/m/v9", "--store", str(store), "--json", check=False)
     assert r.returncode == 1 and json.loads(r.stdout)["ok"] is False
+
+
+# -- issue 21: names the store uses itself; a damaged blob is never kept -----------------------
+
+def flip_a_byte(store, rel, version="v1"):
+    """One flipped byte in the blob behind ``rel`` (a disk's rot, or a hand's edit)."""
+    blob = os.path.realpath(store / "models" / "m" / version / rel)
+    os.chmod(blob, 0o644)
+    with open(blob, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(blob, 0o444)
+    return os.path.basename(blob)
+
+
+SHARD = "model-00002-of-00002.safetensors"
+
+
+def test_a_version_named_as_the_store_names_its_own_entries_is_refused(origin, tmp_path):
+    """Before: `pull .../m/current` exited 0, then ls, verify and gc didn't see the version (gc
+    deleted its blobs) and `--current` ended in IsADirectoryError. Now refused, saying why,
+    wherever the name comes in: the URL, a `latest` that names it, a build, a wait."""
+    src = tmp_path / "origin"
+    shutil.copytree(origin / "m" / "v1", src / "m" / "current")   # an older publisher's
+    doc = json.loads((src / "m" / "current" / "manifest.json").read_text())
+    doc["version"] = "current"
+    (src / "m" / "current" / "manifest.json").write_text(json.dumps(doc))
+    (src / "m" / "latest").write_text("current\n")
+    store = tmp_path / "store"
+    with LoopbackNginx(src) as ng:
+        for name in ("current", "latest"):
+            r = wagent("pull", f"{ng.url}/m/{name}", "--store", str(store), "--current",
+                       check=False)
+            assert r.returncode == (2 if name == "current" else 1), r
+            assert "'current' is reserved" in r.stderr and "Traceback" not in r.stderr
+        fetched = ng.bytes_sent("/m/current/")
+    assert fetched == 0                              # refused before any byte of it came
+    assert not os.path.lexists(store / "models" / "m" / "current")
+    r = wagent("manifest", "build", str(src / "m" / "current"), check=False)
+    assert r.returncode != 0 and "'current' is reserved" in r.stderr
+    r = wagent("wait", "m", "--version", "current", "--timeout", "1s", "--store", str(store),
+               check=False)
+    assert r.returncode == 2 and "reserved" in r.stderr
+
+
+def test_verify_removes_a_damaged_blob_and_the_next_pull_fetches_it(origin, pulled):
+    """Before: one flipped byte was named by verify, then `pull` reported the version installed
+    and fetched nothing, and gc kept the blob. Now verify takes the blob out, the version says
+    it is incomplete, and the next pull fetches that one file."""
+    s = Store(pulled)
+    pointers.set_current(s, "m", "v1")
+    name = flip_a_byte(pulled, SHARD)
+    r = wagent("store", "verify", "--store", str(pulled), "--json", check=False)
+    assert r.returncode == 1
+    bad = json.loads(r.stdout)["bad"]
+    assert {(b["version"], b["path"], b["removed"]) for b in bad} >= {("v1", SHARD, True)}
+    assert not (pulled / "blobs" / name).exists()
+    text = wagent("store", "verify", "m/v1", "--store", str(pulled), check=False).stdout
+    assert "missing" in text and "incomplete until pulled again: m/v1" in text
+    assert "current, and missing a file meanwhile: m/v1" in text
+    ls = json.loads(wagent("store", "ls", "--store", str(pulled), "--json").stdout)
+    (m,) = ls["models"]
+    assert m["current"] is None                      # not served as current silently
+    assert [(v["version"], v["missing"], v["current"]) for v in m["incomplete"]] == [
+        ("v1", [SHARD], True)]
+    assert "incomplete: 1 file(s) missing" in wagent("store", "ls", "--store",
+                                                     str(pulled)).stdout
+    assert wagent("wait", "m", "--timeout", "1s", "--store", str(pulled),
+                  check=False).returncode == 1
+    wagent("store", "gc", "--store", str(pulled))
+    with LoopbackNginx(origin) as ng:
+        doc = json.loads(wagent("pull", f"{ng.url}/m/v1", "--store", str(pulled), "--json")
+                         .stdout)
+    size = (origin / "m" / "v1" / SHARD).stat().st_size
+    assert doc["bytes_fetched"] + doc["bytes_reused"] == size   # that file, nothing else
+    same_files(pulled / "models" / "m" / "v1", origin / "m" / "v1")
+    assert "0 bad file(s)" in wagent("store", "verify", "--store", str(pulled)).stdout
+    assert wagent("wait", "m", "--timeout", "1s", "--store", str(pulled)).returncode == 0
+
+
+def test_pull_verify_files_re_fetches_a_damaged_blob(origin, pulled):
+    """Before: `pull --verify-files` reported a version with a flipped byte installed and
+    fetched nothing. Now every blob it would use that is there already is read again first:
+    of the installed version, and one a new version shares with another."""
+    name = flip_a_byte(pulled, SHARD, version="v2")
+    shard = (origin / "m" / "v2" / SHARD).stat().st_size
+    with LoopbackNginx(origin) as ng:
+        r = wagent("pull", f"{ng.url}/m/latest", "--store", str(pulled), "--verify-files",
+                   "--json")
+        doc = json.loads(r.stdout)
+        assert doc["version"] == "v2" and doc["bytes_fetched"] + doc["bytes_reused"] == shard
+        assert f"m/v2/{SHARD}: bytes" in r.stderr      # said what it found and removed
+        assert (pulled / "blobs" / name).exists()     # fetched again, right this time
+        same_files(pulled / "models" / "m" / "v2", origin / "m" / "v2")
+        # v2 gone, its shared file damaged through v1: pulling v2 doesn't link the bad blob
+        shutil.rmtree(pulled / "models" / "m" / "v2")
+        shared = "model.safetensors.index.json"
+        flip_a_byte(pulled, shared, version="v1")
+        wagent("pull", f"{ng.url}/m/v2", "--store", str(pulled), "--verify-files", "--quiet")
+    for v in ("v1", "v2"):
+        same_files(pulled / "models" / "m" / v, origin / "m" / v)
+    assert "0 bad file(s)" in wagent("store", "verify", "--store", str(pulled)).stdout
+
+
+def test_verify_repair_pulls_the_damaged_versions_again(origin, pulled, tmp_path):
+    flip_a_byte(pulled, SHARD)                                           # v1's alone
+    flip_a_byte(pulled, "model.safetensors.index.json", version="v2")    # both versions'
+    # no source known (no policy, none given): the blob goes, and it says how to get it back
+    r = wagent("store", "verify", "--repair", "--store", str(pulled), "--policy",
+               str(tmp_path / "none.yaml"), "--json", check=False)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and doc["repaired"] == []
+    assert {u["version"] for u in doc["unrepaired"]} == {"m/v1", "m/v2"}
+    assert all("give --source" in u["why"] for u in doc["unrepaired"])
+    with LoopbackNginx(origin) as ng:
+        r = wagent("store", "verify", "--repair", "--source", ng.url, "--store", str(pulled),
+                   check=False)
+    assert r.returncode == 0, r
+    assert "repaired m/v1" in r.stdout and "repaired m/v2" in r.stdout
+    for v in ("v1", "v2"):
+        same_files(pulled / "models" / "m" / v, origin / "m" / v)
+    assert "0 bad file(s)" in wagent("store", "verify", "--store", str(pulled)).stdout
+
+
+def test_pull_current_over_a_directory_in_the_pointers_place_says_so(origin, tmp_path):
+    store = tmp_path / "store"
+    (store / "models" / "m" / "current").mkdir(parents=True)   # an older wagent's version
+    with LoopbackNginx(origin) as ng:
+        r = wagent("pull", f"{ng.url}/m/v1", "--store", str(store), "--current", check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "is a directory, not the current pointer" in r.stderr
+
+
+def test_the_daemon_refuses_a_latest_that_names_current_and_fetches_nothing(origin, tmp_path):
+    """Before: the daemon pulled a version `latest` named `current`, couldn't make it current,
+    evicted its blobs and downloaded it again at every poll, healthy all along. Now `latest` is
+    refused as it is read: status names the reason, and no byte of the version comes."""
+    from tests.daemon_helpers import start_daemon, stop_daemon, wait_for_socket, write_policy
+
+    src = tmp_path / "origin"
+    shutil.copytree(origin / "m" / "v1", src / "m" / "current")
+    (src / "m" / "latest").write_text("current\n")
+    with LoopbackNginx(src) as ng:
+        policy = write_policy(tmp_path / "policy.yaml", tmp_path, sources=[{"url": ng.url}],
+                              models=[{"name": "m"}], poll_interval="1s")
+        proc = start_daemon(policy, log=tmp_path / "daemon.log")
+        try:
+            wait_for_socket(tmp_path / "control.sock", proc)
+            deadline = time.monotonic() + 20
+            while True:
+                r = wagent("status", "--json", "--socket", str(tmp_path / "control.sock"),
+                           check=False)
+                doc = json.loads(r.stdout)
+                (pull,) = doc["pulls"]
+                if (pull["error"] and "reserved" in pull["error"]) \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            time.sleep(3)                             # a few more polls
+            r = wagent("status", "--json", "--socket", str(tmp_path / "control.sock"),
+                       check=False)
+            doc = json.loads(r.stdout)
+            (pull,) = doc["pulls"]
+        finally:
+            stop_daemon(proc)
+        fetched = ng.bytes_sent("/m/current/")
+    assert "'current' is reserved" in (pull["error"] or ""), doc
+    assert fetched == 0
+    assert not os.path.lexists(tmp_path / "store" / "models" / "m" / "current")
+    assert doc["health"] == "degraded" and r.returncode == 1   # three failed polls in a row
+    assert any("'current' is reserved" in p for p in doc["problems"]), doc

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import control
+from agent import ownership
 from agent.control import ControlError, ControlServer, call, socket_dir_problem
 from tests.daemon_helpers import Impostor
 
@@ -136,7 +136,7 @@ def test_the_service_users_runtime_directory_is_accepted(base, monkeypatch):
     run = make_dir(base / "run", 0o750, NOBODY)
     path = str(run / "control.sock")
     assert "owned by uid 65534" in (socket_dir_problem(path) or "")
-    monkeypatch.setattr(control, "SERVICE_USER", "nobody")
+    monkeypatch.setattr(ownership, "SERVICE_USER", "nobody")
     assert socket_dir_problem(path) is None
     srv = ControlServer(path, FakeController(), group=None)
     srv.start()
@@ -195,7 +195,7 @@ def test_client_trusts_a_daemon_running_as_the_service_user(base, monkeypatch):
     with Impostor(run / "control.sock") as stand_in:
         with pytest.raises(ControlError, match="owned by uid 65534"):
             call(sock, "reload")               # while nobody isn't the service's user
-        monkeypatch.setattr(control, "SERVICE_USER", "nobody")
+        monkeypatch.setattr(ownership, "SERVICE_USER", "nobody")
         assert call(sock, "reload")["reloaded"] is True
         assert len(stand_in.heard()) == 1
 

@@ -166,3 +166,46 @@ def test_build_refuses_what_every_node_would_refuse(tmp_path):
     (d / "readme").write_text("b")
     with pytest.raises(ManifestError, match="differ only in case"):
         manifest.build(d)
+
+
+@pytest.mark.parametrize("name", ["current", "latest", ".hidden", ".tmp-v1"])
+def test_names_the_store_uses_itself_are_no_version(name, tmp_path):
+    """Issue 21: a version called `current` was published where the current pointer goes, then
+    hidden from ls, verify and gc (which deleted its blobs). Refused wherever a name enters:
+    the check, a manifest, a build (from the directory's name or given)."""
+    with pytest.raises(ManifestError, match="reserved|not usable"):
+        manifest.check_name("version", name)
+    with pytest.raises(ManifestError, match="reserved|not usable"):
+        parse(doc(version=name))
+    d = tmp_path / "m" / name
+    d.mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a")
+    with pytest.raises(ManifestError, match="reserved|not usable"):
+        manifest.build(d)
+    with pytest.raises(ManifestError, match="reserved|not usable"):
+        manifest.build(tmp_path / "m" / name, version=name)
+
+
+def test_a_reserved_name_says_what_the_store_uses_it_for():
+    with pytest.raises(ManifestError, match="'current' is reserved.*current pointer|pointer"):
+        manifest.check_name("version", "current")
+    # Only versions: a model may be called so (models/current/ is no pointer), and names that
+    # merely contain the word are versions like any other.
+    assert manifest.check_name("model", "current") == "current"
+    for ok in ("current-2", "latest.v7", "v-latest"):
+        assert manifest.check_name("version", ok) == ok
+
+
+def test_a_policy_may_not_follow_or_pin_a_reserved_name(tmp_path):
+    """The daemon's own way in: a policy naming `current` (or pinning `latest`) is refused at
+    load, with its line, rather than pulled into the pointer's place; `latest` still follows."""
+    from agent.policy import check_policy
+
+    p = tmp_path / "p.yaml"
+    p.write_text("version: 1\nsources:\n  - url: http://origin:8080\nmodels:\n"
+                 "  - name: a\n    version: current\n"
+                 "  - name: b\n    version: latest\n    pin: [latest, .x, v1]\n")
+    issues = [(i.line, i.message) for i in check_policy(p)]
+    assert [line for line, _ in issues] == [6, 9, 9], issues
+    assert "'current' is reserved" in issues[0][1] and "'latest' is reserved" in issues[1][1]
+    assert "not usable" in issues[2][1]
