@@ -143,7 +143,12 @@ def is_open(windows: Iterable[Window], now: float) -> bool:
     for w in windows:
         if not _fires(w.cron):
             continue            # next_match would search 28 years to say so, every call
-        m = _spec(w.cron).next_match(_dt(now - w.duration), inclusive=True, tz=_zone(w.tz))
+        spec, zone = _spec(w.cron), _zone(w.tz)
+        m = spec.next_match(_dt(now - w.duration), inclusive=True, tz=zone)
+        if m is not None and m.timestamp() + w.duration <= now:
+            # The match exactly one duration ago closes now; one starting now opens now
+            # (`* * * * *` 1m at 12:01:00 is open, as its spans join up).
+            m = spec.next_match(m, tz=zone)
         if m is not None and m.timestamp() <= now < m.timestamp() + w.duration:
             return True
     return False

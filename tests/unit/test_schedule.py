@@ -345,3 +345,15 @@ def test_a_slot_past_what_a_calendar_holds_never_comes():
     for policy in (Policy(), windowed):
         assert schedule.start_at(far, 0.0, "n", "training", "m", "v", policy) is None
     assert schedule.start_at(1e9, 1e9, "n", "training", "m", "v", Policy()) is not None
+
+
+def test_windows_that_join_are_open_at_the_instant_one_ends_and_the_next_begins():
+    """`* * * * *` 1m at 18:00:00 exactly: the 17:59 window closes as the 18:00 one opens, so
+    pulls may run (a publication time is often a whole minute: `wagent plan` starts there)."""
+    w = (Window("* * * * *", 60.0),)
+    t = datetime(2026, 12, 2, 18, 0, tzinfo=UTC).timestamp()
+    assert is_open(w, t) and next_opening(w, t) == t
+    two = (Window("0 22 * * *", 3600.0), Window("0 23 * * *", 3600.0))
+    t = datetime(2026, 12, 2, 23, 0, tzinfo=UTC).timestamp()
+    assert is_open(two, t)
+    assert not is_open((Window("0 22 * * *", 3600.0),), t)      # alone, it closed at 23:00
