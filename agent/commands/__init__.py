@@ -12,6 +12,7 @@ from typing import Any
 
 from agent.control import ControlError, NotRunning, call
 from agent.policy import PolicyError, load_policy
+from agent.store import Store
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 DEFAULT_STORE = "/var/cache/wagent"
@@ -33,6 +34,20 @@ def ask_daemon(cmd: str, socket: str, **kwargs: Any) -> dict[str, Any] | None:
     except ControlError as e:
         print(f"wagent {cmd}: {e}", file=sys.stderr)
     return None
+
+
+def existing_store(args: argparse.Namespace, cmd: str) -> Store | None:
+    """The store the command reads (``store_root``), or None, the reason printed, when there is
+    no store there: a mistyped ``--store`` must not read as an empty store ("0 B used", "no
+    complete version", exit 0)."""
+    root = store_root(args)
+    if not os.path.isdir(root):
+        what = "is not a directory" if os.path.lexists(root) else "does not exist"
+        print(f"wagent {cmd}: no store at {root}: it {what}; give the store's directory "
+              f"with --store DIR, or the policy that names it with --policy PATH",
+              file=sys.stderr)
+        return None
+    return Store(root)
 
 
 def store_root(args: argparse.Namespace) -> str:

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from agent.commands import add_store_arguments, store_root
+from agent.commands import add_store_arguments, existing_store
 from agent.manifest import ManifestError
 from agent.policy import PolicyError, load_policy
 from agent.policy.model import Pulls, Source
@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         a.add_argument("--json", action="store_true", help="JSON for scripts")
 
 
-def _store(args: argparse.Namespace) -> Store:
-    return Store(store_root(args))
+def _store(args: argparse.Namespace) -> Store | None:
+    return existing_store(args, f"store {args.store_action}")
 
 
 def _out(args: argparse.Namespace, doc: Any, text: str) -> None:
@@ -67,6 +67,8 @@ def _out(args: argparse.Namespace, doc: Any, text: str) -> None:
 
 def run_ls(args: argparse.Namespace) -> int:
     store = _store(args)
+    if store is None:
+        return 1
     pins = pointers.pins(store)
     now = time.time()
     models = []
@@ -107,6 +109,8 @@ def run_ls(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     store = _store(args)
+    if store is None:
+        return 1
     model, _, version = (args.target or "").partition("/")
     checker = Checker(store, remove=True)
     checked, bad = [], []
@@ -189,6 +193,8 @@ def _repair(args: argparse.Namespace, store: Store, broken: list[tuple[str, str]
 
 def run_gc(args: argparse.Namespace) -> int:
     store = _store(args)
+    if store is None:
+        return 1
     try:
         removed = space.gc(store, time.time(), dry_run=args.dry_run)
     except (space.BusyError, StoreError) as e:     # StoreError: a store others could change
@@ -206,6 +212,8 @@ def run_gc(args: argparse.Namespace) -> int:
 
 def run_pin(args: argparse.Namespace) -> int:
     store = _store(args)
+    if store is None:
+        return 1
     try:
         changed = pointers.pin(store, args.model, args.version, on=args.on)
     except (ManifestError, StoreError, OSError) as e:

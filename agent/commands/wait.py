@@ -58,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             what = args.version or "a current version"
-            print(f"wagent wait: {args.model}: {what} not complete in {store.root} after "
-                  f"{args.timeout}", file=sys.stderr)
+            # A store not made yet is waited for (a fresh node's daemon makes it with its first
+            # pull), but a mistyped --store must read as one when the wait ends.
+            missing = "" if store.root.is_dir() else " (no store there: it does not exist)"
+            print(f"wagent wait: {args.model}: {what} not complete in {store.root}{missing} "
+                  f"after {args.timeout}", file=sys.stderr)
             return 1
         time.sleep(POLL if left is None else min(POLL, left))

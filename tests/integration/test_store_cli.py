@@ -311,3 +311,21 @@ def test_the_daemon_refuses_a_latest_that_names_current_and_fetches_nothing(orig
     assert not os.path.lexists(tmp_path / "store" / "models" / "m" / "current")
     assert doc["health"] == "degraded" and r.returncode == 1   # three failed polls in a row
     assert any("'current' is reserved" in p for p in doc["problems"]), doc
+
+
+@pytest.mark.parametrize("cmd", [["store", "ls"], ["store", "verify"], ["store", "gc"],
+                                 ["store", "pin", "m", "v1"], ["store", "unpin", "m", "v1"]])
+def test_a_store_that_is_not_there_is_an_error_naming_it(tmp_path, cmd):
+    """A mistyped --store read as an empty store ("0 B used", exit 0) before."""
+    missing = tmp_path / "no" / "such"
+    r = wagent(*cmd, "--store", str(missing), check=False)
+    assert r.returncode == 1 and f"no store at {missing}: it does not exist" in r.stderr, r
+    assert not missing.exists()
+    (tmp_path / "file").write_text("")
+    r = wagent(*cmd, "--store", str(tmp_path / "file"), check=False)
+    assert r.returncode == 1 and "is not a directory" in r.stderr, r
+
+
+def test_wait_waits_for_a_store_not_made_yet_and_names_it_when_it_gives_up(tmp_path):
+    r = wagent("wait", "m", "--timeout", "1s", "--store", str(tmp_path / "later"), check=False)
+    assert r.returncode == 1 and "no store there" in r.stderr, r
