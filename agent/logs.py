@@ -4,13 +4,16 @@ When stderr is the journal (systemd sets ``JOURNAL_STREAM`` to its device and in
 starts with its syslog priority (``<3>`` error, ``<4>`` warning, ``<6>`` info, ``<7>`` debug):
 journald reads it as the line's priority, so ``journalctl -p warning -u wagent`` finds the
 errors. The prefix is only written when stderr really is that stream (a shell started from the
-unit inherits the variable, not the stream).
+unit inherits the variable, not the stream). Lines a command prints to stderr itself, rather
+than logs, are errors there (``PriorityLines``).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import re
 import sys
 from typing import TextIO
 
@@ -49,9 +52,42 @@ def stderr_is_journal(stream: TextIO | None = None,
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
+class PriorityLines(io.TextIOBase):
+    """stderr when it is the journal: a line written without a priority (a command's own
+    message, printed rather than logged, like the daemon's "refusing to start: the policy has
+    errors") is an error, ``<3>``, so ``journalctl -p err -u wagent`` shows why the unit won't
+    start; lines that carry one (the log records') pass as they are."""
+
+    def __init__(self, raw: TextIO, priority: int = 3) -> None:
+        self.raw = raw
+        self.prefix = f"<{priority}>"
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self.raw.write(("" if _PRIORITY.match(line) else self.prefix) + line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+
+_PRIORITY = re.compile(r"<[0-7]>")
+
+
 def setup(verbose: int) -> None:
+    journal = stderr_is_journal()
+    if journal and not isinstance(sys.stderr, PriorityLines):
+        sys.stderr = PriorityLines(sys.stderr)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JournalFormatter(JOURNAL_FORMAT) if stderr_is_journal()
+    handler.setFormatter(JournalFormatter(JOURNAL_FORMAT) if journal
                          else logging.Formatter(FORMAT))
     root = logging.getLogger()
     for h in list(root.handlers):

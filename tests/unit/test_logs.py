@@ -38,3 +38,23 @@ def test_no_prefix_when_stderr_is_not_the_journal(tmp_path):
 def test_priorities():
     from agent.logs import syslog_priority
     assert [syslog_priority(n) for n in (40, 50, 30, 20, 10)] == [3, 3, 4, 6, 7]
+
+
+def test_printed_errors_are_errors_in_the_journal(tmp_path):
+    """A command's own message (printed, not logged) carries <3>: `journalctl -p err` shows it.
+    Before, such lines had no priority and journald filed them at the stream's default."""
+    r, err = run_with_journal(tmp_path, "store", "ls", "--store", str(tmp_path / "none"))
+    assert r.returncode == 1
+    assert err.startswith(f"<3>wagent store ls: no store at {tmp_path / 'none'}"), err
+    assert all(line.startswith(("<3>", "<4>", "<6>", "<7>")) for line in err.splitlines()), err
+
+
+def test_priority_lines_prefix_only_lines_without_one():
+    import io
+
+    from agent.logs import PriorityLines
+    raw = io.StringIO()
+    s = PriorityLines(raw)
+    s.write("refusing to start: ")
+    s.write("p.yaml:3: bad\n<4>wagent: a warning\nlast")
+    assert raw.getvalue() == "<3>refusing to start: p.yaml:3: bad\n<4>wagent: a warning\n"
