@@ -49,18 +49,6 @@ FILE_MODE = 0o644
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def announced(root: str | os.PathLike[str], model: str) -> str | None:
-    """The version ``{model}/latest`` names in the store at ``root``, if any."""
-    try:
-        fd = _open_model_dir(Store(root), model)
-    except OSError:
-        return None
-    try:
-        return _read_latest(fd)
-    finally:
-        os.close(fd)
-
-
 def latest_text(version: str, announcer: str | None = None) -> bytes:
     """The contents of a ``latest`` file naming ``version``, written by node ``announcer``."""
     text = f"{version}\n"
@@ -144,10 +132,6 @@ def _open_model_dir(store: Store, model: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-
-
-def _read_latest(dir_fd: int) -> str | None:
-    return _read_latest_and_announcer(dir_fd)[0]
 
 
 def _read_latest_and_announcer(dir_fd: int) -> tuple[str | None, str | None]:

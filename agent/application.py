@@ -6,16 +6,20 @@ the scheduler (APScheduler: every timed job of the daemon), the control socket a
 :class:`agent.daemon.Daemon` drives it: ``start``, ``reconcile`` on reload, ``snapshot`` for
 status (built by ``agent.snapshot``), ``stop``.
 
+What the pull worker's steps do on this node (resolve, the publication time, the schedule, the
+pull and what follows it) is :class:`agent.pull.node_pulls.NodePulls`; the worker gets its bound
+methods (:func:`worker_deps`).
+
 Reload is mark-and-sweep (fail2ban's model): every part is marked, the new policy is replayed
 part by part (shaping re-applied in place, so the kernel never goes unshaped; the backoff loop
-restarted with the new thresholds; the models' jobs rescheduled), and what the new policy no longer
-declares is swept: interfaces dropped from ``shaping.interfaces`` get their caps cleared, models
-dropped from ``models`` stop pulling, a moved control socket or metrics port is re-opened.
+updated in place with the new thresholds; the models' jobs rescheduled), and what the new
+policy no longer declares is swept: interfaces dropped from ``shaping.interfaces`` get their
+caps cleared, models dropped from ``models`` stop pulling, a moved control socket or metrics
+port is re-opened.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -24,25 +28,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent import announce, schedule
 from agent.control import ControlServer, prepare_socket_dir, trusted_uids
-from agent.durable import write_atomic
-from agent.hooks import run_hook
 from agent.identity import ROLE_OVERRIDE, Identity, identify
-from agent.manifest import MAX_MANIFEST_BYTES, published_ts
 from agent.metrics import Metrics, MetricsError
 from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
 from agent.policy import load_policy
-from agent.policy.model import Model, Policy
-from agent.pull import engine
-from agent.pull.transfer import RETRY_AFTER_CAP
-from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
+from agent.policy.model import Policy
+from agent.pull.node_pulls import NodePulls
+from agent.pull.worker import Worker, WorkerDeps
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
 from agent.snapshot import snapshot
 from agent.status import DaemonState
-from agent.store import Store, StoreError, pointers, space
+from agent.store import Store, StoreError, space
 from shaping.runtime import ShapingRuntime
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,13 @@ def make_private_dir(path: str, mode: int, what: str) -> None:
     check(missing_ok=False)
 
 
-HORIZON = 366 * 86400.0  # how far ahead a window's closing is looked for
+def worker_deps(pulls: NodePulls) -> WorkerDeps:
+    """The pull worker's functions: each the method of ``pulls`` of the same name."""
+    return WorkerDeps(clock=pulls.clock, resolve=pulls.resolve, published=pulls.published,
+                      schedule=pulls.schedule, window=pulls.window, have=pulls.have,
+                      local_version=pulls.local_version, pull=pulls.pull, evict=pulls.evict,
+                      next_poll=pulls.next_poll, ready=pulls.ready,
+                      stall_after=pulls.stall_after)
 
 
 class Application:
@@ -130,13 +135,15 @@ class Application:
             control.stop()
             raise
         bucket = TokenBucket(policy.pulls.rate)
-        parts = Parts(policy=policy, identity=self.identify(policy), store=store, bucket=bucket,
-                      worker=None, scheduler=Scheduler(),  # type: ignore[arg-type]
-                      shaping=None, control=control)  # type: ignore[arg-type]
-        parts.worker = Worker(policy, self._worker_deps(parts))
-        parts.shaping = ShapingRuntime(
-            policy, bucket, clock=self.monotonic,
-            bytes_read=lambda: sum(parts.worker.fetched_totals().values()))
+        # Models pulling at once share the streams: how many do is the worker's to say.
+        pulls = NodePulls(policy, self.identify(policy), store, bucket, clock=self.clock,
+                          pulling=lambda: worker.pulling())
+        worker = Worker(policy, worker_deps(pulls))
+        shaping = ShapingRuntime(policy, bucket, clock=self.monotonic,
+                                 bytes_read=lambda: sum(worker.fetched_totals().values()))
+        parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
+                      pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
+                      control=control)
         try:
             parts.shaping.start()
             parts.scheduler.start()
@@ -147,7 +154,7 @@ class Application:
         except BaseException:
             self.stop(parts, 2.0)
             raise
-        self._announce_held(parts)
+        pulls.announce_held()
         log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
                  parts.identity.hostname, parts.identity.role, parts.identity.role_source)
         return parts
@@ -185,7 +192,8 @@ class Application:
         parts.shaping.reconcile(new)
         parts.policy = new
         parts.identity = self.identify(new)
-        self._announce_held(parts)
+        parts.pulls.update(new, parts.identity, parts.store)
+        parts.pulls.announce_held()
         parts.worker.update(new)
         if parts.control is not None:
             self._schedule_housekeeping(parts, parts.control.controller)
@@ -212,160 +220,6 @@ class Application:
             log.error("%s", e)
             parts.metrics_error = str(e)
         return metrics
-
-    # -- the pull worker's view of the world----------------------------------------------------
-    def _worker_deps(self, parts: Parts) -> WorkerDeps:
-        def options() -> Any:
-            return engine.PullOptions.from_policy(parts.policy.pulls)
-
-        def cache_node() -> bool:
-            return parts.identity.role == parts.policy.cache_role
-
-        told: set[str] = set()
-
-        def own_announcement(why: str) -> None:
-            if why not in told:           # once per source, not at every poll
-                told.add(why)
-                log.warning("%s", why)
-
-        def resolve(model: Model) -> str:
-            # A cache node polls past the cache tier (sources marked `cache: true`): there it
-            # would read its own announcement and never learn of a new version. A source not
-            # so marked that serves this node's own store is recognised by the announcement's
-            # author and polled past too.
-            sources = announce.latest_sources(parts.policy.sources, cache_node())
-            return engine.resolve_latest(sources, model.name, options(),
-                                         self_id=parts.identity.node_id,
-                                         on_self=own_announcement)
-
-        def published(model: Model, version: str) -> float:
-            _, manifest = engine.fetch_manifest(parts.policy.sources, model.name, version,
-                                                options())
-            try:
-                return published_ts(manifest.published)
-            except (ValueError, TypeError):
-                return self._first_seen(parts, model.name, version)
-
-        def plan(model: Model, version: str, pub: float, now: float
-                 ) -> tuple[float, float | None]:
-            p, ident = parts.policy, parts.identity
-            return (schedule.slot(pub, ident.node_id, ident.role, model.name, version, p),
-                    schedule.start_at(pub, now, ident.node_id, ident.role, model.name, version,
-                                      p))
-
-        def next_poll(model: Model, polled: float, interval: float) -> float:
-            return schedule.poll_after(polled, parts.identity.node_id, model.name, interval)
-
-        def window(now: float) -> WindowState:
-            windows = schedule.windows_for(parts.policy, parts.identity.role)
-            if not windows:
-                return WindowState(True)
-            if schedule.is_open(windows, now):
-                closes = schedule.open_until(windows, now, horizon=HORIZON)
-                # windows that chain past the horizon never close: say so, not "in 400 days"
-                return WindowState(True, closes_at=closes if closes < now + HORIZON else None)
-            return WindowState(False, next_open=schedule.next_opening(windows, now))
-
-        def have(model: Model, version: str) -> bool:
-            return parts.store.installed(model.name, version) is not None
-
-        def local_version(model: Model) -> str | None:
-            versions = parts.store.versions(model.name)
-            return versions[0].version if versions else None
-
-        def pull(model: Model, version: str, progress: Callable[[Progress], None],
-                 stop: threading.Event) -> None:
-            def report(p: Any) -> None:
-                progress(Progress(done=p.bytes_done, total=p.bytes_total, streams=p.streams,
-                                  fetched=p.bytes_fetched, rate_bps=p.rate * 8))
-
-            # Models pulling at once share the node's streams (and its token bucket).
-            o = options()
-            o = replace(o, streams=max(1, o.streams // max(1, parts.worker.pulling())))
-            engine.pull_version(parts.policy.sources, model.name, version, parts.store,
-                                options=o, bucket=parts.bucket, progress=report, stop=stop)
-            # Issue 15: a cache node's nginx serves its store, so it now names the version in
-            # {model}/latest (published and durable by now; never an older one): its cluster
-            # polls it rather than the origin. The pull itself succeeded whatever happens here.
-            if cache_node():
-                try:
-                    announce.announce(parts.store.root, model.name, version,
-                                      parts.identity.node_id)
-                except OSError as e:
-                    log.error("announcing %s %s in %s failed: %s", model.name, version,
-                              parts.store.root, e)
-
-        def ready(model: Model, version: str) -> str | None:
-            if not pointers.set_current(parts.store, model.name, version):
-                return None                 # current already (a restart): nothing happened
-            log.info("%s %s is current", model.name, version)
-            if not model.on_ready:
-                return None
-            path = parts.store.version_dir(model.name, version)
-            ok, what = run_hook(model.on_ready, {"WAGENT_MODEL": model.name,
-                                                 "WAGENT_VERSION": version,
-                                                 "WAGENT_PATH": str(path)},
-                                model.on_ready_timeout)
-            (log.info if ok else log.warning)("on_ready of %s %s: %s", model.name, version,
-                                              what)
-            return what
-
-        def stall_after() -> float:
-            # The longest wait the deadlines allow without a byte moving, and a minute more:
-            # the largest manifest at its slowest, or a request cut at its headers deadline or
-            # by the goodput floor followed by the longest backoff, or the longest Retry-After
-            # a busy source is granted.
-            o = options()
-            t = o.timeouts
-            return 60.0 + t.headers_deadline + max(
-                t.small_body_deadline(MAX_MANIFEST_BYTES),
-                o.goodput_grace + o.goodput_window + max(o.backoff_cap, RETRY_AFTER_CAP))
-
-        return WorkerDeps(clock=self.clock, resolve=resolve, published=published,
-                          schedule=plan, window=window, have=have,
-                          local_version=local_version, pull=pull,
-                          evict=lambda: self._evict(parts), next_poll=next_poll, ready=ready,
-                          stall_after=stall_after)
-
-    @staticmethod
-    def _announce_held(parts: Parts) -> None:
-        """A cache node names the newest version it holds of each model in ``latest`` at start
-        and on reload, not only after a pull: a ``latest`` lost with the store's files, or
-        naming a version gone since, would send its cluster to the origin until the next one."""
-        if parts.identity.role != parts.policy.cache_role:
-            return
-        for model in parts.policy.models:
-            versions = parts.store.versions(model.name)
-            if not versions:
-                continue
-            try:
-                announce.announce(parts.store.root, model.name, versions[0].version,
-                                  parts.identity.node_id)
-            except OSError as e:
-                log.error("announcing %s %s in %s failed: %s", model.name, versions[0].version,
-                          parts.store.root, e)
-
-    def _evict(self, parts: Parts) -> None:
-        p = parts.policy
-        removed = space.evict(
-            parts.store, keep=p.store.keep_versions, pins={m.name: m.pin for m in p.models},
-            max_size=p.store.max_size, now=self.clock(), evict_after=p.store.evict_after)
-        for r in removed:
-            log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
-
-    def _first_seen(self, parts: Parts, model: str, version: str) -> float:
-        """When this node first learned of a version, kept in the state directory so that the
-        slot stays where it was after a restart (used when the manifest has no time)."""
-        path = Path(parts.policy.state_dir) / "seen.json"
-        try:
-            seen = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
-            seen = {}
-        key = f"{model}/{version}"
-        if key not in seen:
-            seen[key] = self.clock()
-            write_atomic(path, json.dumps(seen, indent=1, sort_keys=True).encode(), mode=0o600)
-        return float(seen[key])
 
     # -- the daemon's tick --------------------------------------------------------------------
     def workers(self, parts: Parts) -> dict[str, bool]:
@@ -399,7 +253,7 @@ class Application:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
         s = parts.scheduler
         s.every(VERIFY_EVERY, parts.shaping.verify, job_id="shaping-verify")
-        s.every(CLEAN_EVERY, lambda: self._evict(parts), job_id="store-clean")
+        s.every(CLEAN_EVERY, parts.pulls.evict, job_id="store-clean")
 
         def metrics() -> None:
             try:

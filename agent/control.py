@@ -212,6 +212,8 @@ class ControlServer:
         self._inode: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._serving = 0
+        self._serving_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def bind(self) -> None:
@@ -265,6 +267,12 @@ class ControlServer:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def connections(self) -> int:
+        """Connections being served now, each holding a slot (counted once its slot is taken,
+        until it is given back): how full the server is, for whoever watches it."""
+        with self._serving_lock:
+            return self._serving
+
     # -- serving -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -291,6 +299,8 @@ class ControlServer:
             if slot is None:
                 self._refuse_busy(conn)
                 continue
+            with self._serving_lock:
+                self._serving += 1
             threading.Thread(target=self._serve, args=(conn, peer, slot), name="control-conn",
                              daemon=True).start()
 
@@ -325,6 +335,8 @@ class ControlServer:
                     conn.sendall(data)
         finally:
             slot.release()
+            with self._serving_lock:
+                self._serving -= 1
 
     def _answer(self, conn: socket.socket, peer: Peer) -> dict[str, Any] | None:
         """The reply to the connection's request; None when the client is gone or too slow."""

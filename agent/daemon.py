@@ -117,13 +117,13 @@ class Daemon:
         return 0
 
     def request_stop(self) -> None:
-        self._stop_requested()
-        self._wake()
-
-    def _stop_requested(self) -> None:
+        """Ends the loop: SIGTERM and SIGINT call it, as may whoever runs the daemon in a thread
+        of their own (where the signals stay with the main thread). Safe in a signal handler:
+        it only sets flags and writes to the wake-up pipe."""
         if self._stop_at is None:
             self._stop_at = self.monotonic()
         self._stop = True
+        self._wake()
 
     def _stop_budget(self) -> float:
         """What is left of STOP_BUDGET since the stop was asked for: a SIGTERM that came in
@@ -192,7 +192,7 @@ class Daemon:
 
     def _on_stop(self, signum: int, frame: object) -> None:
         first = not self._stop
-        self._stop_requested()
+        self.request_stop()
         if first and self.hard_exit is not None:
             # Whatever the main thread is stuck in (a reload, a kernel call), the process is
             # gone within EXIT_DEADLINE: systemd and the issue ask for 5 s.

@@ -1,7 +1,7 @@
 """What the daemon runs for one policy, as :class:`agent.application.Application` built it;
 read by ``agent.snapshot`` for status. Each piece of state has one owner among these parts:
 the kernel's ceil and the backoff loop are the shaping runtime's, the models' pulls the
-worker's, the timed jobs the scheduler's."""
+worker's, the timed jobs the scheduler's. Every part exists when ``Parts`` is built."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from agent.control import ControlServer
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.policy.model import Policy
+from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
 from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
@@ -20,13 +21,14 @@ from shaping.runtime import ShapingRuntime
 
 @dataclass
 class Parts:
-    """Mutable: reconcile updates it in place, and the worker's functions read ``policy`` at
-    call time, so they follow reloads."""
+    """Mutable: reconcile updates it in place, and hands the new policy, identity and store to
+    ``pulls`` (the worker's functions) and the new policy to ``worker``."""
 
     policy: Policy
     identity: Identity
     store: Store
     bucket: TokenBucket
+    pulls: NodePulls
     worker: Worker
     scheduler: Scheduler
     shaping: ShapingRuntime

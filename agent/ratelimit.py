@@ -6,10 +6,13 @@ then. Idle time banks at most ``burst`` seconds of credit, so over any second th
 stay within (1 + burst) x rate plus one chunk per stream. ``set_rate`` (the backoff controller's
 knob) takes effect at once: waiters are woken and the schedule restarts from now.
 
->>> t = [0.0]
->>> b = TokenBucket(8_000_000, burst=0.0, clock=lambda: t[0])   # 1 MB/s
->>> b.reserve(500_000), b.reserve(500_000)
-(0.5, 1.0)
+The booking rule is pure (:func:`book`); at 1 MB/s, two half-megabyte bookings at t=0 end at 0.5 s
+and 1 s, so their callers wait that long:
+
+>>> book(0.0, 0.0, 500_000, 8_000_000, burst=0.0)
+0.5
+>>> book(0.5, 0.0, 500_000, 8_000_000, burst=0.0)
+1.0
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+
+
+def book(tat: float, now: float, n_bytes: int, bits_per_s: int, burst: float) -> float:
+    """The theoretical arrival time once ``n_bytes`` are booked at ``now``, the one before being
+    ``tat``; the caller waits until then. Idle time banks at most ``burst`` seconds of credit."""
+    return max(tat, now - burst) + n_bytes * 8 / bits_per_s
 
 
 class TokenBucket:
@@ -28,6 +37,7 @@ class TokenBucket:
         self._rate = self._check(bits_per_s)
         self._tat = clock()
         self._generation = 0
+        self._waiting = 0
 
     @staticmethod
     def _check(bits_per_s: int | None) -> int | None:
@@ -54,17 +64,19 @@ class TokenBucket:
             return largest
         return max(smallest, min(largest, rate // 8 // 20))
 
-    def reserve(self, n_bytes: int) -> float:
-        """Book ``n_bytes``; returns how long the caller must wait before sending them."""
+    @property
+    def waiting(self) -> int:
+        """How many callers of :meth:`consume` are waiting for their bytes' turn now."""
         with self._cond:
-            return self._reserve(n_bytes)
+            return self._waiting
 
     def _reserve(self, n_bytes: int) -> float:
+        """Books ``n_bytes``; returns how long the caller must wait before sending them."""
         now = self._clock()
         if self._rate is None:
             self._tat = now
             return 0.0
-        self._tat = max(self._tat, now - self._burst) + n_bytes * 8 / self._rate
+        self._tat = book(self._tat, now, n_bytes, self._rate, self._burst)
         return max(0.0, self._tat - now)
 
     def consume(self, n_bytes: int, stop: threading.Event | None = None) -> None:
@@ -75,11 +87,15 @@ class TokenBucket:
                 return
             generation = self._generation
             deadline = self._clock() + wait
-            while True:
-                # Short waits so that a stop request is noticed within 0.1 s.
-                self._cond.wait(min(wait, 0.1))
-                if self._generation != generation or (stop is not None and stop.is_set()):
-                    return
-                wait = deadline - self._clock()
-                if wait <= 0:
-                    return
+            self._waiting += 1
+            try:
+                while True:
+                    # Short waits so that a stop request is noticed within 0.1 s.
+                    self._cond.wait(min(wait, 0.1))
+                    if self._generation != generation or (stop is not None and stop.is_set()):
+                        return
+                    wait = deadline - self._clock()
+                    if wait <= 0:
+                        return
+            finally:
+                self._waiting -= 1

@@ -10,6 +10,12 @@ Rates are bits per second internally (``int``), sizes bytes (``int``), durations
 >>> parse_duration("15m"), parse_duration("1h30m"), parse_duration("100ms")
 (900.0, 5400.0, 0.1)
 
+A command-line option also reads a bare number as seconds (``--timeout 60``, as ``timeout(1)``
+and systemd read one); a policy wants the unit:
+
+>>> parse_option_duration("60"), parse_option_duration("2.5"), parse_option_duration("1m30s")
+(60.0, 2.5, 90.0)
+
 Some rates may also be written as a share of another (``floor: 1%`` of ``link_rate``):
 
 >>> parse_rate_or_share("1%"), parse_rate_or_share("0.5%").of(10**9), parse_rate_or_share("1gbit")
@@ -25,6 +31,7 @@ RATE_FORMS = "a number and a unit: bit, kbit, mbit, gbit, tbit (per second) or B
     "GB/s, KiB/s, MiB/s, GiB/s (bytes per second), e.g. 300mbit, 25gbit, 200MB/s"
 SIZE_FORMS = "a number and a unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, e.g. 64MiB, 2TB"
 DURATION_FORMS = "numbers with units ms, s, m, h, d, w, e.g. 100ms, 15m, 1h30m, 7d"
+OPTION_DURATION_FORMS = f"{DURATION_FORMS}, or a number of seconds, e.g. 60 or 2.5"
 
 _BIT_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _BYTE_UNITS = {
@@ -34,6 +41,7 @@ _BYTE_UNITS = {
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _NUM_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z/]+)\s*$")
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_SECONDS = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
 class UnitError(ValueError):
@@ -112,6 +120,17 @@ def parse_duration(text: str | int | float) -> float:
     if not parts or "".join(n + u for n, u in parts) != compact:
         raise UnitError(f"bad duration {text!r}; accepted: {DURATION_FORMS}")
     return round(sum(float(n) * _DURATION_UNITS[u] for n, u in parts), 6)
+
+
+def parse_option_duration(text: str) -> float:
+    """Seconds from a command-line option taking a time (every one reads this syntax): the
+    forms of :func:`parse_duration`, or a bare number of seconds (``60``, ``2.5``)."""
+    if _SECONDS.match(text):
+        return float(text)
+    try:
+        return parse_duration(text)
+    except UnitError:
+        raise UnitError(f"bad duration {text!r}; accepted: {OPTION_DURATION_FORMS}") from None
 
 
 def format_rate(bits_per_second: float | Share) -> str:

@@ -2,6 +2,10 @@
 
 ``func(args) -> int`` returns the exit code: 0 success, 1 a failure the command reports,
 2 a usage error (argparse's own), 3 for ``status`` when the daemon is not running.
+
+Every option taking a time is declared with :func:`add_duration_option`, so that each reads the
+same syntax (``agent.units.parse_option_duration``: ``90s``, ``15m``, ``1h30m``, ``100ms``, or
+a bare number of seconds) and refuses anything else as a usage error naming the forms.
 """
 from __future__ import annotations
 
@@ -13,9 +17,24 @@ from typing import Any
 from agent.control import ControlError, NotRunning, call
 from agent.policy import PolicyError, load_policy
 from agent.store import Store
+from agent.units import UnitError, parse_option_duration
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 DEFAULT_STORE = "/var/cache/wagent"
+
+
+def duration(text: str) -> float:
+    """argparse's ``type`` for a time: seconds, or a usage error (exit 2) naming the forms."""
+    try:
+        return parse_option_duration(text)
+    except UnitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_duration_option(p: argparse.ArgumentParser, flag: str, *, default: str | None,
+                        help: str) -> None:
+    """An option taking a time (``default`` written as a user would, or None)."""
+    p.add_argument(flag, type=duration, default=default, metavar="DURATION", help=help)
 
 
 def add_store_arguments(p: argparse.ArgumentParser) -> None:

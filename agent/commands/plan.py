@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent import units
-from agent.commands import DEFAULT_POLICY
+from agent.commands import DEFAULT_POLICY, add_duration_option
 from agent.fleet.report import fleet_document, format_fleet
 from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import TopologyError, load_topology
@@ -62,8 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "evaluation=0.1,training=0.6 over the policy's waves; "
                                    "cache=... adds caches)")
     p.add_argument("--published", help="ISO time of publication, UTC unless it says (default: now)")
-    p.add_argument("--pull-time", default="10m",
-                   help="with --nodes: how long one pull takes (default 10m)")
+    add_duration_option(p, "--pull-time", default="10m",
+                        help="with --nodes: how long one pull takes, e.g. 10m or 600 (seconds) "
+                             "(default 10m)")
     p.add_argument("--size", help="the version's size, e.g. 120GB. With --fleet: what one copy "
                                   "is. With --nodes: pull time = size / the policy's pull rate "
                                   "(pulls.rate, else shaping.ceil if shaping is enabled, else "
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 rate = policy.pulls.rate or (sh.ceil if sh.enabled else sh.link_rate)
                 pull_time = units.parse_size(args.size) * 8 / rate
             else:
-                pull_time = units.parse_duration(args.pull_time)
+                pull_time = args.pull_time
             plan = simulate_waves(policy, share_nodes(args.nodes, shares),
                                   published.timestamp(), pull_time, model, args.version)
     except ValueError as e:                       # UnitError is a ValueError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from agent.commands import ask_daemon
+from agent.commands import add_duration_option, ask_daemon
 from agent.control import DEFAULT_SOCKET
 
 
@@ -16,8 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(exit 1, errors as file:line: message) and the old one keeps running.")
     p.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
                    help=f"the daemon's control socket (default {DEFAULT_SOCKET})")
-    p.add_argument("--timeout", type=float, default=130.0, metavar="SECONDS",
-                   help="how long to wait for the daemon's answer (default 130)")
+    add_duration_option(p, "--timeout", default="130s",
+                        help="how long to wait for the daemon's answer, e.g. 60s, 2m or 60 "
+                             "(seconds) (default 130s)")
     p.set_defaults(func=run)
 
 

@@ -1,4 +1,5 @@
-"""`wagent wait MODEL [--version V] [--timeout S]`: block until a version is complete in the store.
+"""`wagent wait MODEL [--version V] [--timeout DURATION]`: block until a version is complete in the
+store.
 
 For deploy scripts and inference servers' start-up: exit 0 once the version (or, without
 ``--version``, the model's current version) is complete, 1 on timeout. It reads the store only
@@ -12,10 +13,10 @@ import argparse
 import sys
 import time
 
-from agent.commands import add_store_arguments, store_root
+from agent.commands import add_duration_option, add_store_arguments, store_root
 from agent.manifest import ManifestError, check_name
 from agent.store import Store, pointers
-from agent.units import UnitError, parse_duration
+from agent.units import exact_duration
 
 POLL = 0.5
 
@@ -26,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")
     p.add_argument("--version", help="the version (default: the model's current one)")
-    p.add_argument("--timeout", default=None, metavar="DURATION",
-                   help="give up after this long (e.g. 90s, 15m); default: wait for ever")
+    add_duration_option(p, "--timeout", default=None,
+                        help="give up after this long, e.g. 90s, 15m or 90 (seconds); "
+                             "default: wait for ever")
     add_store_arguments(p)
     p.set_defaults(func=run)
 
@@ -44,12 +46,11 @@ def run(args: argparse.Namespace) -> int:
         check_name("model", args.model)
         if args.version is not None:
             check_name("version", args.version)
-        timeout = parse_duration(args.timeout) if args.timeout is not None else None
-    except (ManifestError, UnitError) as e:
+    except ManifestError as e:
         print(f"wagent wait: {e}", file=sys.stderr)
         return 2
     store = Store(store_root(args))
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     while True:
         got = ready(store, args.model, args.version)
         if got is not None:
@@ -62,6 +63,6 @@ def run(args: argparse.Namespace) -> int:
             # pull), but a mistyped --store must read as one when the wait ends.
             missing = "" if store.root.is_dir() else " (no store there: it does not exist)"
             print(f"wagent wait: {args.model}: {what} not complete in {store.root}{missing} "
-                  f"after {args.timeout}", file=sys.stderr)
+                  f"after {exact_duration(args.timeout)}", file=sys.stderr)
             return 1
         time.sleep(POLL if left is None else min(POLL, left))

@@ -3,10 +3,12 @@
 >>> # pull_version([Source("http://origin:8080")], "llama", "v7", Store("/var/cache/wagent"),
 >>> #              options=PullOptions(streams=8), bucket=TokenBucket(None))
 
-Steps: check the store can be written (no symlinks on the way); return at once if the version is
-installed (a second pull transfers nothing); fetch the manifest from the first source that serves a
-valid one; plan against the store (pieces in the file's partial journal are kept, pieces in any
-local blob are copied, the rest fetched); run the transfer; publish the version atomically.
+Steps: check the store can be written (no symlinks on the way); tidy what crashes left (once per
+pull start); return at once if the version is installed (a second pull transfers nothing); fetch
+the manifest from the first source that serves a valid one (unless the caller fetched it already:
+the daemon reads it earlier for the publication time); plan against the store (pieces in the
+file's partial journal are kept, pieces in any local blob are copied, the rest fetched); run the
+transfer; publish the version atomically.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from agent.manifest import (
     ManifestError,
     check_name,
     parse,
-    published_ts,
 )
 from agent.policy.model import Pulls, Source
 from agent.pull import plan as planning
@@ -52,7 +53,7 @@ from agent.units import format_size
 T = TypeVar("T")
 
 __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped", "StoreFull",
-           "published_at", "pull_version", "resolve_latest"]
+           "fetch_manifest", "pull_version", "resolve_latest"]
 
 log = logging.getLogger(__name__)
 MIN_REQUEST = 2**20
@@ -192,16 +193,21 @@ def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, 
 
 def fetch_manifest(sources: Sequence[Source], model: str, version: str,
                    options: PullOptions) -> tuple[bytes, Manifest]:
+    """The manifest of ``model``/``version`` (its bytes, parsed) from the first source that
+    serves a valid one naming that model and version."""
     def ask(client: Client, source: Source) -> tuple[bytes, Manifest]:
         url = url_for(source, model, version, MANIFEST_NAME)
         raw = client.get_small(url, MAX_MANIFEST_BYTES)
         m = parse(raw, redact(url))
-        if (m.model, m.version) != (model, version):
-            raise ManifestError(f"{redact(url)}: names {m.model}/{m.version}, not "
-                                f"{model}/{version}")
+        _check_names(m, model, version, redact(url))
         return raw, m
 
     return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask)
+
+
+def _check_names(m: Manifest, model: str, version: str, where: str) -> None:
+    if (m.model, m.version) != (model, version):
+        raise ManifestError(f"{where}: names {m.model}/{m.version}, not {model}/{version}")
 
 
 def pull_version(sources: Sequence[Source], model: str, version: str, store: Store, *,
@@ -209,7 +215,10 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                  progress: Callable[[PullProgress], None] | None = None,
                  stop: threading.Event | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> PullResult:
+                 wall_clock: Callable[[], float] = time.time,
+                 manifest: tuple[bytes, Manifest] | None = None) -> PullResult:
+    """``manifest``: the version's manifest (its bytes, parsed) as :func:`fetch_manifest`
+    returned it, when the caller has it already; else it is fetched here."""
     options = options or PullOptions()
     stop = stop or threading.Event()
     started = clock()
@@ -230,12 +239,19 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                     store.touch(model, version, wall_clock())
                     return PullResult(model, version, 0, 0, m.size, len(m.files),
                                       clock() - started, store.version_dir(model, version))
-                raw, m = fetch_manifest(sources, model, version, options)
+                if manifest is None:
+                    raw, m = fetch_manifest(sources, model, version, options)
+                else:
+                    raw, m = manifest
+                    _check_names(m, model, version, "the manifest given")
                 return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
                              wall_clock, started)
+        except _GaveBack as e:
+            raise StoreFull(str(e)) from None    # given back already at this start: once
         except StoreFull as e:
-            # Outside the pull lock: the crash leftovers can go too. Partial files of other
-            # versions give their space back; this version's stay for the next try.
+            # The disk filled after this start's check (a preallocation, the transfer). Outside
+            # the pull lock, the crash leftovers can go too. Partial files of other versions
+            # give their space back; this version's stay for the next try.
             wanted = set(planning.distinct_files(m))
             freed = sum(r.size for r in space.clean(store, wall_clock(),
                                                    wanted=wanted.__contains__))
@@ -358,6 +374,11 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                       len(m.files), clock() - started, path)
 
 
+class _GaveBack(StoreFull):
+    """No room even after the space of the partial files this pull doesn't want was given
+    back: the store is not cleaned a second time for the same pull start."""
+
+
 def _reserve(store: Store, m: Manifest, partials: Sequence[Partial], now: float) -> None:
     """Preallocate every partial file of the pull, or none: the free space is checked first
     (a manifest claiming more than the disk holds takes nothing), after giving back the space
@@ -368,18 +389,9 @@ def _reserve(store: Store, m: Manifest, partials: Sequence[Partial], now: float)
         space.clean(store, now, wanted=wanted.__contains__)
         free = store.free_bytes()
         if need > free:
-            raise StoreFull(f"no space left in the store {store.root} for {m.model}/"
+            raise _GaveBack(f"no space left in the store {store.root} for {m.model}/"
                             f"{m.version}: it needs {format_size(need)} more, "
                             f"{format_size(free)} are free; {FREE_SPACE_HINT}")
     for part in partials:
         part.preallocate()
 
-
-def published_at(sources: Sequence[Source], model: str, version: str,
-                 options: PullOptions) -> float | None:
-    """When the version was published (its manifest's time), or None if no source serves it."""
-    try:
-        _, m = fetch_manifest(sources, model, version, options)
-    except PullError:
-        return None
-    return published_ts(m.published)

@@ -61,7 +61,7 @@ from agent.units import format_size
 log = logging.getLogger(__name__)
 # The longest Retry-After honoured: a source that asks for more is asked again after this, so
 # a pull still fails within its rounds (``retries``) rather than sleeping on a server's word;
-# the daemon's stall limit (agent.application) allows for it.
+# the daemon's stall limit (agent.pull.node_pulls) allows for it.
 RETRY_AFTER_CAP = 120.0
 
 

@@ -23,8 +23,8 @@ no progress (no byte moved) for longer than ``WorkerDeps.stall_after`` shows as 
 model's status, which makes the daemon degraded.
 
 The worker knows nothing of HTTP, the store's layout or the schedule's formula: it calls the
-functions in :class:`WorkerDeps`, which ``agent.application`` builds from the real modules and
-tests build from fakes. Tests drive :meth:`step` by hand with a fake clock.
+functions in :class:`WorkerDeps`, which ``agent.pull.node_pulls.NodePulls`` provides from the
+real modules and tests build from fakes. Tests drive :meth:`step` by hand with a fake clock.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class WorkerDeps:
     # on failure (shown, retried at the next step).
     ready: Callable[[Model, str], str | None] = field(default=lambda m, v: None)
     # Seconds without progress after which a pull shows as stalled: longer than any wait the
-    # deadlines allow (agent.application derives it from the pull options).
+    # deadlines allow (agent.pull.node_pulls derives it from the pull options).
     stall_after: Callable[[], float] = field(default=lambda: DEFAULT_STALL_AFTER)
 
 

@@ -294,15 +294,6 @@ class Store:
         except FileNotFoundError:
             return []
 
-    def manifests(self) -> list[Manifest]:
-        out = []
-        for model in self.model_names():
-            for version in self._version_names(model):
-                m = self.installed(model, version)
-                if m is not None:
-                    out.append(m)
-        return out
-
     def versions(self, model: str) -> list[VersionInfo]:
         """Installed versions of ``model``, newest published first."""
         usage = self.read_usage()

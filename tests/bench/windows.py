@@ -9,7 +9,7 @@ ones: for ``* * * * *`` lasting 1m (the demo's policy: always open) that was 400
 joined spans (agent/schedule.py, ``_chain_end``).
 
 For each case this times, per call, the daemon's question (``status``: is_open, then
-open_until with the 366-day horizon or next_opening, as agent/application.py asks it),
+open_until with the 366-day horizon or next_opening, as agent/pull/node_pulls.py asks it),
 open_until (400 days) and pull_allowed_at, against two peers measured in the same run:
 one ``CronSpec.next_match`` (the unit of the old walk, and what is_open costs per window) and
 the old walk itself (a reference copy of it below, run once per case; its answer is checked
@@ -42,7 +42,7 @@ from tests.schedule_reference import reference_open_until
 
 TARGET = 100e-6                 # s per call, any window set (issue 21)
 HORIZON = 400 * 86400.0         # open_until's default
-STATUS_HORIZON = 366 * 86400.0  # agent/application.py asks this far for status
+STATUS_HORIZON = 366 * 86400.0  # agent/pull/node_pulls.py asks this far for status
 
 
 def ts(*args: int) -> float:
@@ -77,7 +77,7 @@ CASES: list[tuple[str, tuple[Window, ...], float]] = [
 
 
 def status(windows: tuple[Window, ...], now: float) -> float | None:
-    """What the daemon's status asks every second (agent/application.py, ``window``)."""
+    """What the daemon's status asks every second (agent/pull/node_pulls.py, NodePulls.window)."""
     if is_open(windows, now):
         return open_until(windows, now, horizon=STATUS_HORIZON)
     return next_opening(windows, now)

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from agent.announce import announced
 from agent.store import Store
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_for_socket, write_policy
-from tests.unit.test_announce import put_version
+from tests.unit.test_announce import announced, put_version
 
 pytestmark = pytest.mark.debian
 

@@ -1,6 +1,8 @@
 """The daemon's signals, in a process of its own (signals go to the main thread) with a
-stand-in application whose steps take as long as a test says: a SIGHUP while shaping is being
-applied, a storm of SIGHUPs, and a SIGTERM in the middle of a reload that hangs."""
+stand-in application whose start and reloads last until the test says "go" on its stdin: a
+SIGHUP while shaping is being applied, a storm of SIGHUPs, and a SIGTERM in the middle of a
+reload that hangs. Every signal is sent once the child has said it is where the signal must
+find it, never after a sleep that a loaded machine may outlast."""
 
 from __future__ import annotations
 
@@ -16,17 +18,25 @@ import pytest
 pytestmark = pytest.mark.debian
 ROOT = Path(__file__).resolve().parents[2]
 
-# argv: start seconds, reload seconds. Prints every notify message and each reload.
+# Prints every notify message, STARTING and RECONCILE as start() and each reload begin (each
+# then blocks until a line comes on stdin), TICK for each status the daemon builds and HUP each
+# time the daemon's SIGHUP handler has run (the kernel merges a signal sent while one is pending,
+# so the test sends the next one only then).
 SCRIPT = r"""
-import sys, time
+import os, signal, sys, time
 from agent.daemon import Daemon
 from agent.notify import Notifier
 from agent.policy.model import Policy
-start_s, reload_s = float(sys.argv[1]), float(sys.argv[2])
 
 class App:
     def start(self, policy, controller):
-        time.sleep(start_s)
+        daemons = signal.getsignal(signal.SIGHUP)
+        def handled(signum, frame):
+            daemons(signum, frame)
+            os.write(1, b"HUP\n")
+        signal.signal(signal.SIGHUP, handled)
+        print("STARTING", flush=True)
+        sys.stdin.readline()             # applying shaping, until the test says go
         return {}
     def stop(self, parts, budget):
         print(f"STOP budget={budget:.2f}", flush=True)
@@ -35,12 +45,14 @@ class App:
         return Policy(path="/p.yaml", sha256="b" * 64)
     def reconcile(self, parts, new):
         print("RECONCILE", flush=True)
-        time.sleep(reload_s)
+        sys.stdin.readline()
         return parts
     def workers(self, parts): return {}
     def error_counts(self, parts): return {}
     def supervise(self, parts): pass
-    def snapshot(self, parts, base): return base
+    def snapshot(self, parts, base):
+        print("TICK", flush=True)
+        return base
     def export_metrics(self, parts, doc): pass
 
 d = Daemon(App(), Notifier(lambda m: print(m.replace("\n", " "), flush=True)))
@@ -48,64 +60,95 @@ sys.exit(d.run(Policy(path="/p.yaml", sha256="a" * 64)))
 """
 
 
-def spawn(start_s: float, reload_s: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(start_s), str(reload_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+class Child:
+    """The daemon's process, its output read line by line and kept."""
 
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        self.lines: list[str] = []
 
-def wait_line(proc: subprocess.Popen, want: str, timeout: float = 15.0) -> list[str]:
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line.strip())
-        if line.startswith(want):
-            return seen
-    proc.kill()
-    raise AssertionError(f"no {want!r}: {seen} {proc.stderr.read()[-2000:]}")
+    def wait_line(self, want: str, refuse: str | None = None, timeout: float = 15.0) -> None:
+        """Reads up to a line starting with ``want``; fails on one starting with ``refuse``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line.strip())
+            if refuse is not None and line.startswith(refuse):
+                break
+            if line.startswith(want):
+                return
+        self.proc.kill()
+        raise AssertionError(f"no {want!r}: {self.lines} {self.proc.stderr.read()[-2000:]}")
+
+    def go(self) -> None:
+        """Ends the start or the reload that waits."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def sighup(self) -> None:
+        """Sends SIGHUP and waits until the daemon's handler has run."""
+        self.proc.send_signal(signal.SIGHUP)
+        self.wait_line("HUP")
+
+    def finish(self, timeout: float) -> tuple[str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        self.lines += out.splitlines()
+        return out, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def test_sighup_while_starting_does_not_kill_and_a_storm_is_one_reload():
-    proc = spawn(start_s=1.0, reload_s=0.5)
+    child = Child()
     try:
-        time.sleep(0.5)                  # inside start(): applying shaping
-        proc.send_signal(signal.SIGHUP)
-        wait_line(proc, "READY=1")
-        wait_line(proc, "RECONCILE")     # the early SIGHUP is served once running
-        wait_line(proc, "READY=1")
-        for _ in range(50):
-            proc.send_signal(signal.SIGHUP)
-            time.sleep(0.002)
-        time.sleep(1.5)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=10)
+        child.wait_line("STARTING")      # inside start(): applying shaping, handlers installed
+        child.sighup()
+        child.go()
+        child.wait_line("READY=1")
+        child.wait_line("RECONCILE")     # the early SIGHUP is served once running
+        for _ in range(50):              # a storm while that reload runs
+            child.sighup()
+        child.go()
+        child.wait_line("READY=1")
+        child.wait_line("RECONCILE")     # one more: the file may have changed after the read
+        child.go()
+        child.wait_line("READY=1")
+        # The reload's own status, then the loop's tick, which comes only once no reload is
+        # queued: a third reload would block in reconcile and never let it come.
+        child.wait_line("TICK", refuse="RECONCILE")
+        child.wait_line("TICK", refuse="RECONCILE")
+        child.signal(signal.SIGTERM)
+        _, err = child.finish(timeout=10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err[-2000:]
-    # 50 signals while one reload runs: at most that one and one more (the file may have
-    # changed after the first read it), not fifty.
-    assert 1 <= out.count("RECONCILE") <= 2, out
+        child.close()
+    assert child.proc.returncode == 0, err[-2000:]
+    # 51 SIGHUPs: the one that came while starting, and one for the 50 sent during its reload
+    assert child.lines.count("RECONCILE") == 2, child.lines
 
 
 def test_sigterm_mid_reload_exits_within_5_s():
-    proc = spawn(start_s=0.0, reload_s=30.0)
+    child = Child()
     try:
-        wait_line(proc, "READY=1")
-        proc.send_signal(signal.SIGHUP)
-        wait_line(proc, "RECONCILE")
-        time.sleep(0.5)
+        child.wait_line("STARTING")
+        child.go()
+        child.wait_line("READY=1")
+        child.sighup()
+        child.wait_line("RECONCILE")     # a reload that hangs: never told to go on
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=20)
+        child.signal(signal.SIGTERM)
+        child.finish(timeout=20)
         took = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        child.close()
     print(f"exited {took:.2f} s after SIGTERM (reload hung)")
     assert took < 5.5, took              # 4.8 s by design; margin for a loaded machine

@@ -3,7 +3,6 @@ import logging
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -20,6 +19,7 @@ from agent.control import (
     dispatch,
     parse_request,
 )
+from tests.waiting import wait_for
 
 
 class FakeController:
@@ -140,11 +140,13 @@ def test_slow_and_oversized_clients_dont_stall(server):
         s.connect(srv.path)
         s.sendall(b'{"cmd": ')
         slow.append(s)
-    time.sleep(0.05)
+    assert wait_for(lambda: srv.connections() == 2 + RESERVED_SLOTS)   # each holds a slot
     # while the slots are full, a new client is told "busy" at once, not made to wait
     with pytest.raises(ControlError, match="busy"):
         call(srv.path, "status", timeout=2)
-    time.sleep(0.6)  # the read deadline drops the slow ones
+    assert srv.connections() == 2 + RESERVED_SLOTS
+    # the read deadline (0.5 s) drops the slow ones, though they never close
+    assert wait_for(lambda: srv.connections() == 0, timeout=3)
     assert call(srv.path, "status") == {"schema": 1}
     for s in slow:
         s.close()

@@ -1,3 +1,7 @@
+import socket
+
+import pytest
+
 from agent.notify import Notifier, WatchdogGate, watchdog_interval
 
 
@@ -35,6 +39,19 @@ def test_sequence_and_status_dedup():
                     "RELOADING=1\nMONOTONIC_USEC=12500000", "READY=1", "STOPPING=1"]
 
 
-def test_without_notify_socket_is_silent(monkeypatch):
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    Notifier().ready()  # no systemd: nothing to send, nothing raised
+def test_sends_to_notify_socket_and_is_silent_without_one(monkeypatch, tmp_path):
+    """Through sdnotify to the socket systemd names; with no NOTIFY_SOCKET (not under systemd)
+    nothing is sent anywhere and nothing raised. A datagram is queued by the time send returns,
+    so the non-blocking reads below see at once what was (or wasn't) sent."""
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        Notifier().ready()
+        assert systemd.recv(256, socket.MSG_DONTWAIT) == b"READY=1"
+        monkeypatch.delenv("NOTIFY_SOCKET")
+        quiet = Notifier()
+        quiet.ready()
+        quiet.status("idle")
+        with pytest.raises(BlockingIOError):
+            systemd.recv(256, socket.MSG_DONTWAIT)

@@ -3,29 +3,42 @@ import time
 
 import pytest
 
-from agent.ratelimit import TokenBucket
+from agent.ratelimit import TokenBucket, book
+from tests.waiting import wait_for
 
 
-def test_reserve_schedules_at_the_rate():
-    t = [0.0]
-    b = TokenBucket(80_000_000, burst=0.0, clock=lambda: t[0])      # 10 MB/s
-    waits = [b.reserve(100_000) for _ in range(100)]                 # 10 MB booked at t=0
-    assert waits[-1] == pytest.approx(1.0)
-    t[0] = 5.0                                                       # idle: at most burst banked
-    assert b.reserve(100_000) == pytest.approx(0.01)
+def test_bookings_are_scheduled_at_the_rate():
+    tat = 0.0
+    for _ in range(100):                                             # 10 MB booked at t=0
+        tat = book(tat, 0.0, 100_000, 80_000_000, burst=0.0)         # at 10 MB/s
+    assert tat == pytest.approx(1.0)
+    # idle until t=5: no credit banked without a burst
+    assert book(tat, 5.0, 100_000, 80_000_000, burst=0.0) - 5.0 == pytest.approx(0.01)
 
 
 def test_burst_bounds_credit():
-    t = [0.0]
-    b = TokenBucket(8_000_000, burst=0.05, clock=lambda: t[0])       # 1 MB/s
-    t[0] = 100.0
-    assert b.reserve(50_000) == 0.0                                  # 50 ms of credit
-    assert b.reserve(100_000) == pytest.approx(0.1)
+    now = 100.0                                                      # idle for 100 s at 1 MB/s
+    tat = book(0.0, now, 50_000, 8_000_000, burst=0.05)
+    assert tat - now == 0.0                                          # 50 ms of credit
+    assert book(tat, now, 100_000, 8_000_000, burst=0.05) - now == pytest.approx(0.1)
+
+
+def consumer(b: TokenBucket, n_bytes: int, stop: threading.Event | None = None):
+    """``b.consume(n_bytes)`` in a thread of its own; returns the event set when it returns."""
+    done = threading.Event()
+
+    def run():
+        b.consume(n_bytes, stop)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done
 
 
 def test_unlimited_and_set_rate():
     b = TokenBucket(None)
-    assert b.reserve(10**12) == 0.0
+    assert consumer(b, 10**12).wait(5.0)                             # unlimited: no wait
+    assert b.waiting == 0
     b.set_rate(8_000)
     assert b.rate == 8_000
     with pytest.raises(ValueError):
@@ -61,20 +74,16 @@ def test_shared_by_threads_accurate_over_a_fraction_of_a_second():
 def test_set_rate_wakes_waiters_and_stop_ends_wait():
     b = TokenBucket(8_000)                                           # 1 KB/s
     b.consume(10)
-    done = threading.Event()
-
-    def waiter():
-        b.consume(100_000)                                           # 100 s at this rate
-        done.set()
-
-    threading.Thread(target=waiter, daemon=True).start()
-    time.sleep(0.05)
+    done = consumer(b, 100_000)                                      # 100 s at this rate
+    assert wait_for(lambda: b.waiting == 1)                          # it waits for its turn
     assert not done.is_set()
     b.set_rate(None)
-    assert done.wait(1.0)
-    stop = threading.Event()
-    stop.set()
+    assert done.wait(1.0)                                            # woken: unlimited now
+    assert b.waiting == 0
     b.set_rate(8_000)
-    started = time.monotonic()
-    b.consume(100_000, stop)
-    assert time.monotonic() - started < 0.5
+    stop = threading.Event()
+    done = consumer(b, 100_000, stop)
+    assert wait_for(lambda: b.waiting == 1)
+    assert not done.is_set()
+    stop.set()                                                       # a pull being stopped
+    assert done.wait(1.0)
