@@ -37,12 +37,12 @@ from agent.policy import load_policy
 from agent.policy.model import Policy
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker, WorkerDeps
-from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
 from agent.snapshot import snapshot
 from agent.status import DaemonState
 from agent.store import Store, StoreError, space
-from shaping.runtime import ShapingRuntime
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.runtime import ShapingRuntime
 
 log = logging.getLogger(__name__)
 

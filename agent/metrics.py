@@ -43,7 +43,7 @@ from agent.policy.model import MetricsSettings
 from agent.status import ERROR_KINDS, PULL_STATES
 from agent.store import Store
 from agent.store.pointers import current as current_pointer
-from shaping.controller import SIGNAL_KINDS
+from agent.yielding.controller import SIGNAL_KINDS
 
 log = logging.getLogger(__name__)
 

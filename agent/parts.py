@@ -13,10 +13,10 @@ from agent.metrics import Metrics
 from agent.policy.model import Policy
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
-from agent.ratelimit import TokenBucket
 from agent.scheduler import Scheduler
 from agent.store import Store
-from shaping.runtime import ShapingRuntime
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.runtime import ShapingRuntime
 
 
 @dataclass

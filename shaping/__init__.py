@@ -1,1 +1,5 @@
-"""Kernel-side shaping (HTB via pyroute2), traffic detectors and the backoff controller."""
+"""Kernel-side shaping: the tc plan, reconcile, render, observed state, netlink (pyroute2), Shaper.
+
+A library below yielding (``agent.yielding`` moves the caps it applies); it reads the policy's
+values (``agent.policy.model``) and imports nothing else of wagent but ``agent.durable``.
+"""

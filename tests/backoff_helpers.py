@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from agent.pull.sockets import StreamsSample
-from agent.ratelimit import TokenBucket
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.sockets import StreamsSample
 
 
 def set_netdev(root: Path, ifname: str, rx: int, tx: int, ifindex: int = 2) -> None:
@@ -93,7 +93,7 @@ class Bucket(TokenBucket):
 
 
 class Windows:
-    """A stand-in for agent.pull.sockets.PullSockets."""
+    """A stand-in for agent.yielding.sockets.PullSockets."""
 
     def __init__(self, received=0):
         self.rates, self.budget_s, self.received = [], None, received

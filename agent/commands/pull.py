@@ -27,13 +27,13 @@ from agent.pull.engine import (
     resolve_latest,
 )
 from agent.pull.progress import Reporter, summary
-from agent.ratelimit import TokenBucket
 from agent.redact import redact
 from agent.store import Store, StoreError, pointers
 from agent.store.verify import drop_bad_blobs
 from agent.units import UnitError, parse_rate, parse_size
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.runtime import around_pull
 from shaping.errors import ShapingError
-from shaping.runtime import around_pull
 
 
 def register(sub: argparse._SubParsersAction) -> None:

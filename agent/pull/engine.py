@@ -45,10 +45,10 @@ from agent.pull.transfer import (
     StoreFull,
     Transfer,
 )
-from agent.ratelimit import TokenBucket
 from agent.store import Store, StoreError, space
 from agent.store.partial import Claims, Partial, PartialBusy
 from agent.units import format_size
+from agent.yielding.ratelimit import TokenBucket
 
 T = TypeVar("T")
 

@@ -40,9 +40,9 @@ from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 from agent.policy.model import Source
-from agent.pull import sockets
 from agent.pull.goodput import Meter
 from agent.redact import redact
+from agent.yielding import sockets
 
 __all__ = ["ChangedError", "Client", "CredentialsError", "FetchError", "Timeouts",
            "read_credentials", "redact", "url_for"]
@@ -280,7 +280,7 @@ def _final_responses(connection_cls: type) -> type:
 
 
 class _HTTPPool(_WatchedPool, HTTPConnectionPool):
-    # Hook (agent/pull/sockets.py): each connection registers its socket once connected, so
+    # Hook (agent/yielding/sockets.py): each connection registers its socket once connected, so
     # the backoff loop can clamp the pull's receive windows and read their TCP_INFO.
     ConnectionCls = sockets.registering(_final_responses(HTTPConnection))
 

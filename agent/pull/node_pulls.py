@@ -42,8 +42,8 @@ from agent.policy.model import Model, Policy
 from agent.pull import engine
 from agent.pull.transfer import RETRY_AFTER_CAP
 from agent.pull.worker import Progress, WindowState
-from agent.ratelimit import TokenBucket
 from agent.store import Store, pointers, space
+from agent.yielding.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 

@@ -53,10 +53,10 @@ from agent.pull.http import (
     url_for,
 )
 from agent.pull.plan import Copy, RangeRequest
-from agent.ratelimit import TokenBucket
 from agent.store import Store
 from agent.store.partial import Partial
 from agent.units import format_size
+from agent.yielding.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 # The longest Retry-After honoured: a source that asks for more is asked again after this, so

@@ -38,10 +38,10 @@ import json, sys, threading, time
 from agent.policy import load_policy
 from agent.policy.model import Source
 from agent.pull.engine import PullOptions, pull_version
-from agent.ratelimit import TokenBucket
+from agent.yielding.ratelimit import TokenBucket
 from agent.store import Store
-from shaping import backoff as sb
-from shaping.runtime import around_pull
+from agent.yielding import backoff as sb
+from agent.yielding.runtime import around_pull
 
 url, model, policy_path, store, seconds = sys.argv[1:6]
 seconds = float(seconds)

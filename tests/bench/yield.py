@@ -69,7 +69,7 @@ PULLERS = ("wagent", "aria2c -j8", "backoff off")
 # --- the sampler, run inside the node's namespace --------------------------------------------
 def sampler(interval: float) -> None:
     """Print ``monotonic dist_bytes training_bytes`` every ``interval`` until SIGTERM."""
-    from shaping.detect.sockdiag import dump_tcp
+    from agent.yielding.detect.sockdiag import dump_tcp
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     last: dict[tuple, int] = {}

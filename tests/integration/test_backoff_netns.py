@@ -15,9 +15,9 @@ pytestmark = [pytest.mark.netns, pytest.mark.debian]
 LOOP = """
 import json, sys, time
 from agent.policy.model import Backoff
-from shaping.backoff import BackoffLoop
-from shaping.controller import Controller
-from shaping.detect import Detectors
+from agent.yielding.backoff import BackoffLoop
+from agent.yielding.controller import Controller
+from agent.yielding.detect import Detectors
 b = Backoff(tick=0.1, floor=10**7, quiet=0.5, increase=10**9, nccl_processes=False)
 loop = BackoffLoop(Controller(b, 10**9), Detectors.from_policy(b, link=False),
                    set_pull_rate=lambda bps: None, tick=0.1).start()
@@ -33,7 +33,7 @@ def test_training_connection_backs_off_at_the_next_scan_and_ramps_back(testbed):
     # kernel's whole TCP table): a new connection is seen at the next full scan, at most
     # PORTS_MOST seconds away; its end within a tick (looked up by itself). The link detector,
     # off here, is what sees any flow within a tick (the tests below).
-    from shaping.detect import PORTS_MOST
+    from agent.yielding.detect import PORTS_MOST
 
     origin, node = testbed.host("origin"), testbed.host("node")
     link = testbed.connect(origin, node, rate="200mbit")
@@ -62,8 +62,8 @@ def test_training_connection_backs_off_at_the_next_scan_and_ramps_back(testbed):
 PULL_GLUE = """
 import json, subprocess, sys, time
 from agent.policy.model import Backoff, Policy, Shaping, Source
-from agent.ratelimit import TokenBucket
-from shaping.runtime import around_pull
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.runtime import around_pull
 ifname, state = sys.argv[1], sys.argv[2]
 policy = Policy(shaping=Shaping(enabled=True, interfaces=(ifname,), link_rate=10**9,
                                 ceil=5 * 10**8),

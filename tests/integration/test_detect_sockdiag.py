@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from shaping.detect.ports import PortsDetector
-from shaping.detect.sockdiag import dump_tcp
+from agent.yielding.detect.ports import PortsDetector
+from agent.yielding.detect.sockdiag import dump_tcp
 
 pytestmark = pytest.mark.debian
 
@@ -37,7 +37,7 @@ def test_dump_sees_a_loopback_connection_and_its_bytes():
 
 
 def test_a_known_connection_is_looked_up_and_its_end_seen_without_a_dump():
-    from shaping.detect.sockdiag import lookup_tcp
+    from agent.yielding.detect.sockdiag import lookup_tcp
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         port = srv.getsockname()[1]

@@ -14,8 +14,8 @@ from agent import manifest
 from agent.blob_id import blob_id
 from agent.policy.model import Source
 from agent.pull.engine import PullError, PullOptions, pull_version
-from agent.ratelimit import TokenBucket
 from agent.store import Store
+from agent.yielding.ratelimit import TokenBucket
 from tests import modelgen
 from tests.pull_helpers import (
     FaultyServer,

@@ -7,8 +7,8 @@ import pytest
 
 from agent.policy.model import Source
 from agent.pull.engine import PullOptions, PullStopped, pull_version
-from agent.ratelimit import TokenBucket
 from agent.store import Store
+from agent.yielding.ratelimit import TokenBucket
 from tests.pull_helpers import LoopbackNginx, publish
 from tests.testbed import WAGENT
 

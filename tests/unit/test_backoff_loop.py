@@ -1,11 +1,11 @@
 import threading
 
 from agent.policy.model import Backoff, Policy, Shaping
-from shaping.backoff import BackoffLoop, Knob, cap_for
-from shaping.controller import Controller
-from shaping.detect import Detectors
-from shaping.detect.link import LinkDetector
-from shaping.detect.ports import ESTABLISHED, PortsDetector
+from agent.yielding.backoff import BackoffLoop, Knob, cap_for
+from agent.yielding.controller import Controller
+from agent.yielding.detect import Detectors
+from agent.yielding.detect.link import LinkDetector
+from agent.yielding.detect.ports import ESTABLISHED, PortsDetector
 from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
 
 M = 10**6
@@ -215,7 +215,7 @@ def test_update_keeps_the_state_and_takes_the_new_settings(tmp_path):
 def test_detector_roots_from_the_policy(tmp_path):
     from pathlib import Path
 
-    from shaping.detect import roots_from
+    from agent.yielding.detect import roots_from
 
     assert roots_from(()) == (Path("/"), Path("/"))
     assert roots_from((("root", "/x"),)) == (Path("/x"), Path("/x"))

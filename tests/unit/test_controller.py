@@ -1,8 +1,8 @@
 import pytest
 
 from agent.policy.model import Backoff
-from shaping.controller import BACKED_OFF, FULL, RAMPING, Controller, assess
-from shaping.detect.readings import (
+from agent.yielding.controller import BACKED_OFF, FULL, RAMPING, Controller, assess
+from agent.yielding.detect.readings import (
     LinkReading,
     NcclReading,
     PortReading,

@@ -1,7 +1,7 @@
 import pytest
 
-from shaping.detect.counters import WRAP32, WRAP64, CounterRates, counter_delta
-from shaping.detect.link import LinkDetector
+from agent.yielding.detect.counters import WRAP32, WRAP64, CounterRates, counter_delta
+from agent.yielding.detect.link import LinkDetector
 from tests.backoff_helpers import remove_netdev, set_netdev
 
 MB = 10**6

@@ -1,7 +1,7 @@
 import os
 from pathlib import Path
 
-from shaping.detect.nccl import NcclDetector
+from agent.yielding.detect.nccl import NcclDetector
 from tests.backoff_helpers import add_process
 
 # /proc/<pid>/maps of a torch process with the NCCL that pip's nvidia-nccl wheel ships.

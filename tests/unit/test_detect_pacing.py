@@ -1,7 +1,7 @@
 """Paced detectors: run as often as their measured CPU cost allows."""
 
-from shaping.detect import Detectors, PortsDetector
-from shaping.detect.pacing import Paced, Pacer
+from agent.yielding.detect import Detectors, PortsDetector
+from agent.yielding.detect.pacing import Paced, Pacer
 from tests.backoff_helpers import write_tcp
 
 

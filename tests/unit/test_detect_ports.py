@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from shaping.detect.ports import (
+from agent.yielding.detect.ports import (
     ESTABLISHED,
     SYN_RECV,
     SYN_SENT,

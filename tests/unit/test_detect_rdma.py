@@ -1,7 +1,7 @@
 import pytest
 
-from shaping.detect.counters import MAX32, WRAP32
-from shaping.detect.rdma import RdmaDetector
+from agent.yielding.detect.counters import MAX32, WRAP32
+from agent.yielding.detect.rdma import RdmaDetector
 from tests.backoff_helpers import remove_ib, set_ib_port, set_netdev
 
 

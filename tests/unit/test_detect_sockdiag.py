@@ -3,8 +3,8 @@ import struct
 
 import pytest
 
-from shaping.detect.ports import PortsDetector, TcpSocket
-from shaping.detect.sockdiag import (
+from agent.yielding.detect.ports import PortsDetector, TcpSocket
+from agent.yielding.detect.sockdiag import (
     NLMSG_DONE,
     NLMSG_ERROR,
     NLMSG_HDR,

@@ -19,8 +19,8 @@ from agent.pull import engine
 from agent.pull.engine import PullOptions, StoreFull, pull_version
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
-from agent.ratelimit import TokenBucket
 from agent.store import Store, pointers, space
+from agent.yielding.ratelimit import TokenBucket
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
 
 MODEL = Model("m")

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from agent.pull.base_rtt import BaseRtts
-from agent.pull.sockets import (
+from agent.yielding.base_rtt import BaseRtts
+from agent.yielding.sockets import (
     MIN_SEGMENTS,
     TCP_WINDOW_CLAMP,
     PullSockets,
@@ -98,7 +98,7 @@ def test_tcp_info_of_an_old_kernel_is_partial():
 
 
 def test_registering_connection_class_registers_once_connected(pair, monkeypatch):
-    from agent.pull import sockets
+    from agent.yielding import sockets
 
     reg = PullSockets()
     monkeypatch.setattr(sockets, "REGISTRY", reg)

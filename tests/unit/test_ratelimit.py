@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from agent.ratelimit import TokenBucket, book
+from agent.yielding.ratelimit import TokenBucket, book
 from tests.waiting import wait_for
 
 

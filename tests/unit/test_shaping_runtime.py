@@ -4,9 +4,9 @@ real one runs in tests/integration/test_shaping.py and test_daemon_reload.py."""
 
 
 from agent.policy.model import Backoff, Policy, Shaping
+from agent.yielding.runtime import ShapingRuntime
 from shaping.errors import ShapingError
 from shaping.plan import SetLinkUp
-from shaping.runtime import ShapingRuntime
 from shaping.shaper import ApplyReport
 from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
 from tests.waiting import wait_for

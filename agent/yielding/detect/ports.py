@@ -6,9 +6,9 @@ is ESTABLISHED, SYN_SENT or SYN_RECV: its mere presence is the signal, because a
 that distribution traffic is starving carries little at first, and waiting for its bytes would
 react late.
 
-On a live node (root "/") the sockets come from sock_diag (``shaping.detect.sockdiag``), which
-also gives each connection's bytes, so ``bps`` is the port's traffic; from /proc (fixture trees,
-or a kernel that refuses sock_diag) there are no byte counts and ``bps`` is None.
+On a live node (root "/") the sockets come from sock_diag (``agent.yielding.detect.sockdiag``),
+which also gives each connection's bytes, so ``bps`` is the port's traffic; from /proc (fixture
+trees, or a kernel that refuses sock_diag) there are no byte counts and ``bps`` is None.
 
     det = PortsDetector([(29500, 29500), (50000, 51000)])
     det.sample(now)  # -> (PortReading(port=29500, connections=2, peers=("10.0.0.1:29500",)),)
@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaping.detect import sockdiag
-from shaping.detect.readings import PortReading
+from agent.yielding.detect import sockdiag
+from agent.yielding.detect.readings import PortReading
 
 # /proc/net/tcp "st" column (include/net/tcp_states.h)
 ESTABLISHED, SYN_SENT, SYN_RECV = 0x01, 0x02, 0x03

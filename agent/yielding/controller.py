@@ -16,7 +16,7 @@ at least ``min_hold`` in the backed-off state) the rate climbs by ``increase`` p
 the cap, where the state is "full" again.
 
 >>> from agent.policy.model import Backoff
->>> from shaping.detect.readings import PortReading, Readings
+>>> from agent.yielding.detect.readings import PortReading, Readings
 >>> c = Controller(Backoff(floor=10**7, quiet=2.0, increase=4 * 10**8), cap_bps=10**9)
 >>> c.step(Readings(at=0.0), now=0.0).state
 'full'
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from agent.policy.model import Backoff
 from agent.units import format_rate
-from shaping.detect.readings import Readings
+from agent.yielding.detect.readings import Readings
 
 FULL, BACKED_OFF, RAMPING = "full", "backed_off", "ramping"
 # The kinds of signal that make the controller back off (metrics label them by these names).

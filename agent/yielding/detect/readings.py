@@ -1,7 +1,8 @@
 """What the detectors report each tick: plain frozen values, rates in bits per second.
 
 A detector turns cumulative kernel counters into rates between two ticks; the controller
-(``shaping.controller``) only ever sees these values, so it is tested without any /proc or /sys.
+(``agent.yielding.controller``) only ever sees these values, so it is tested without any /proc or
+/sys.
 
 >>> r = Readings(at=12.0, ports=(PortReading(port=29500, connections=1, bps=None,
 ...                                          peers=("10.0.0.1:29500",)),))

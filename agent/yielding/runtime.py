@@ -27,13 +27,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from agent.policy.model import Policy, Source
-from agent.pull.sockets import REGISTRY, PullSockets
-from agent.ratelimit import TokenBucket
+from agent.yielding.backoff import BackoffLoop, Knob, cap_for
+from agent.yielding.controller import Controller
+from agent.yielding.detect import Detectors
+from agent.yielding.detect.link import Counters
+from agent.yielding.ratelimit import TokenBucket
+from agent.yielding.sockets import REGISTRY, PullSockets
 from shaping import state
-from shaping.backoff import BackoffLoop, Knob, cap_for
-from shaping.controller import Controller
-from shaping.detect import Detectors
-from shaping.detect.link import Counters
 from shaping.observed import ClassStats
 from shaping.plan import TcPlan
 from shaping.shaper import Shaper

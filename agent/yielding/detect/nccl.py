@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shaping.detect.readings import NcclReading
+from agent.yielding.detect.readings import NcclReading
 
 NEEDLE = b"libnccl"
 

@@ -1,7 +1,7 @@
-"""Detectors of training traffic, sampled every tick by ``shaping.backoff.BackoffLoop``.
+"""Detectors of training traffic, sampled every tick by ``agent.yielding.backoff.BackoffLoop``.
 
 Each one reads kernel counters under a root directory ("/" on a node, a fixture tree in tests)
-and reports rates between two ticks (``shaping.detect.readings``):
+and reports rates between two ticks (``agent.yielding.detect.readings``):
 
 - ``link``: what arrived or left that is not distribution traffic (other traffic, any port);
 - ``rdma``: InfiniBand/RoCE port counters (NCCL over RDMA bypasses tc);
@@ -10,8 +10,8 @@ and reports rates between two ticks (``shaping.detect.readings``):
 
 The link and RDMA detectors read a few counters and run every tick; the ports and NCCL ones
 cost far more (a sock_diag dump walks the kernel's whole TCP hash, the NCCL scan every process's
-maps) and are paced by their measured CPU cost (``shaping.detect.pacing``): early hints, not the
-signal that must act within the tick.
+maps) and are paced by their measured CPU cost (``agent.yielding.detect.pacing``): early hints,
+not the signal that must act within the tick.
 
 ``Detectors`` bundles them; one that fails in a tick is reported in ``Readings.errors`` and the
 others still count.
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.policy.model import Backoff
-from shaping.detect.link import Distribution, LinkDetector
-from shaping.detect.nccl import NcclDetector
-from shaping.detect.pacing import Paced, Pacer
-from shaping.detect.ports import PortsDetector
-from shaping.detect.rdma import RdmaDetector
-from shaping.detect.readings import (
+from agent.yielding.detect.link import Distribution, LinkDetector
+from agent.yielding.detect.nccl import NcclDetector
+from agent.yielding.detect.pacing import Paced, Pacer
+from agent.yielding.detect.ports import PortsDetector
+from agent.yielding.detect.rdma import RdmaDetector
+from agent.yielding.detect.readings import (
     LinkReading,
     NcclReading,
     PortReading,

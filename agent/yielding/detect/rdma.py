@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shaping.detect.counters import CounterRates
-from shaping.detect.readings import RdmaReading
+from agent.yielding.detect.counters import CounterRates
+from agent.yielding.detect.readings import RdmaReading
 
 WORD = 4  # port_rcv_data / port_xmit_data count 32-bit words
 EMPTY_RESCAN = 1.0  # seconds between listings while no device is there

@@ -10,7 +10,7 @@ a sender never has more than that in flight. So every pull socket's window is cl
 small queue budget: the pull then holds at most ``rate x budget`` bytes in any queue on its path,
 however deep, and a new flow gets through at once (the receiver-driven LEDBAT idea, without its
 delay controller: the clamp follows the backoff controller's rate). The round trip is the base
-RTT of the path to the socket's peer, remembered across connections (``agent.pull.base_rtt``):
+RTT of the path to the socket's peer, remembered across connections (``agent.yielding.base_rtt``):
 a socket's own minimum includes any queue that was standing when it opened.
 
 Linux never retracts a window it advertised: a lower clamp takes effect as the data already
@@ -54,7 +54,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from agent.pull.base_rtt import BaseRtts
+from agent.yielding.base_rtt import BaseRtts
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from shaping.detect.counters import CounterRates
-from shaping.detect.readings import LinkReading
+from agent.yielding.detect.counters import CounterRates
+from agent.yielding.detect.readings import LinkReading
 from shaping.observed import LinkCounters
 
 # Never ours to judge: loopback and IFB devices, which see ingress traffic a second time

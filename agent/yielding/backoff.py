@@ -1,12 +1,12 @@
 """The backoff loop: every tick, read the detectors, run the controller, apply its rate.
 
 The rate goes to three places at once, through callbacks, the fastest first: the pull sockets'
-receive windows (``agent.pull.sockets.PullSockets.set_rate``: the sender slows within one round
-trip, and the pull's share of the upstream queue stays small), the pulls' token bucket
-(``agent.ratelimit.TokenBucket.set_rate``) and the kernel's HTB ceil of the distribution class
-(``shaping.shaper.Shaper.set_ceil``), the hard cap. Any may be None (no shaping on this node; a
-daemon with nothing pulling). The clock and the sleep are passed in, so a test drives ticks by
-hand with ``tick()``; ``start()`` runs them on a thread.
+receive windows (``agent.yielding.sockets.PullSockets.set_rate``: the sender slows within one
+round trip, and the pull's share of the upstream queue stays small), the pulls' token bucket
+(``agent.yielding.ratelimit.TokenBucket.set_rate``) and the kernel's HTB ceil of the
+distribution class (``shaping.shaper.Shaper.set_ceil``), the hard cap. Any may be None (no
+shaping on this node; a daemon with nothing pulling). The clock and the sleep are passed in, so
+a test drives ticks by hand with ``tick()``; ``start()`` runs them on a thread.
 
     loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
                        Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
@@ -21,8 +21,8 @@ hand with ``tick()``; ``start()`` runs them on a thread.
 
 The loop holds the rate it wants (its controller's decision), never a copy of what a sink
 holds: a sink that can say (``current()``) is asked, one that can't is called again whenever
-the decision moves or its last call failed. ``shaping.runtime`` builds the loop for the daemon
-and for ``wagent pull --policy`` alike.
+the decision moves or its last call failed. ``agent.yielding.runtime`` builds the loop for the
+daemon and for ``wagent pull --policy`` alike.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.policy.model import Policy
-from agent.pull.sockets import StreamsSample
 from agent.units import format_rate
-from shaping.controller import Controller, Decision
-from shaping.detect import Detectors
-from shaping.detect.link import Counters
-from shaping.detect.readings import Readings
+from agent.yielding.controller import Controller, Decision
+from agent.yielding.detect import Detectors
+from agent.yielding.detect.link import Counters
+from agent.yielding.detect.readings import Readings
+from agent.yielding.sockets import StreamsSample
 
 log = logging.getLogger("wagent.backoff")
 
