@@ -43,13 +43,14 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from agent.policy.model import Window
-from agent.schedule import next_opening, open_until
+from agent.schedule import NEVER, next_opening, open_until
 
 log = logging.getLogger(__name__)
 
 JOB_DEFAULTS = {"misfire_grace_time": None, "coalesce": True, "max_instances": 1}
 SKIPPED_RETRY = 0.01           # s: a one-shot job skipped while its last run returns, again
-LATEST = datetime(9000, 1, 1, tzinfo=UTC)   # the latest time a job is armed for (``_aware``)
+# the latest time a job is armed for (``_aware``): the schedule's "never", one limit for both
+LATEST = datetime.fromtimestamp(NEVER, UTC)
 
 
 class Scheduler:
@@ -221,6 +222,6 @@ def _aware(when: float | datetime) -> datetime:
     armed for then never runs, but arming it never raises inside a run that must re-arm."""
     if isinstance(when, datetime):
         return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
-    if not when < LATEST.timestamp():          # NaN and infinity included
+    if not when < NEVER:                       # NaN and infinity included
         return LATEST
     return datetime.fromtimestamp(max(when, 0.0), UTC)
