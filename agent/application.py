@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent.control import ControlServer, prepare_socket_dir, trusted_uids
+from agent.control import Controls, ControlServer, prepare_socket_dir, trusted_uids
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.metrics import Metrics, MetricsError
 from agent.ownership import dir_problem, make_missing
@@ -114,14 +114,14 @@ class Application:
         return replace(ident, node_id=self.node_id) if self.node_id else ident
 
     # -- start / stop -------------------------------------------------------------------------
-    def start(self, policy: Policy, controller: Any) -> Parts:
+    def start(self, policy: Policy, controls: Controls) -> Parts:
         """Control socket, store, shaping (READY waits for it), backoff, the pull worker on the
         scheduler, metrics.
 
         The control socket is bound first: its lock is what tells a second ``wagent run`` that
         a daemon is live, and that one must refuse before it touches the kernel or the store.
         It is served last, so ``wagent status`` answers only once the caps are in place."""
-        control = ControlServer(policy.control.socket, controller, group=policy.control.group)
+        control = ControlServer(policy.control.socket, controls, group=policy.control.group)
         control.bind()           # served from the end of start: status "running" means shaped
         try:
             store = Store(policy.store.path)
@@ -150,7 +150,7 @@ class Application:
             parts.worker.start(parts.scheduler)
             control.start()
             parts.metrics = self._start_metrics(parts, policy)
-            self._schedule_housekeeping(parts, controller)
+            self._schedule_housekeeping(parts, controls)
         except BaseException:
             self.stop(parts, 2.0)
             raise
@@ -196,11 +196,11 @@ class Application:
         parts.pulls.announce_held()
         parts.worker.update(new)
         if parts.control is not None:
-            self._schedule_housekeeping(parts, parts.control.controller)
+            self._schedule_housekeeping(parts, parts.control.controls)
         if parts.control is not None and (new.control != old.control):
-            controller = parts.control.controller
+            controls = parts.control.controls
             parts.control.stop()
-            parts.control = ControlServer(new.control.socket, controller,
+            parts.control = ControlServer(new.control.socket, controls,
                                           group=new.control.group)
             parts.control.start()
         if parts.metrics is not None and new.metrics != old.metrics:
@@ -249,7 +249,7 @@ class Application:
         if parts.metrics is not None:
             parts.metrics.update(doc, parts.worker.fetched_totals())
 
-    def _schedule_housekeeping(self, parts: Parts, controller: Any) -> None:
+    def _schedule_housekeeping(self, parts: Parts, controls: Controls) -> None:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
         s = parts.scheduler
         s.every(VERIFY_EVERY, parts.shaping.verify, job_id="shaping-verify")
@@ -257,7 +257,7 @@ class Application:
 
         def metrics() -> None:
             try:
-                self.export_metrics(parts, controller.status())
+                self.export_metrics(parts, controls.status())
             except Exception as e:
                 message = f"writing metrics failed: {e}"
                 if message != parts.metrics_error:

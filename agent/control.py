@@ -13,10 +13,10 @@ users can't even connect; the SO_PEERCRED check still holds when an operator wid
 
 A slow or malicious client can't stall the daemon: each connection is served in its own thread
 with a read deadline and a size limit, at most ``max_clients`` at a time (more are told "busy")
-plus two kept for root and the service's user, and the controller's methods are called from
+plus two kept for root and the service's user, and the daemon's control methods are called from
 that thread, never from the daemon's main loop.
 The server knows nothing of the daemon: it calls methods on any object with ``status()``,
-``reload()``, ``pause()`` and ``resume()`` (the controller doesn't know its transport).
+``reload()``, ``pause()`` and ``resume()`` (the daemon doesn't know its transport).
 
 Both ends also check who could have put the socket there. Whoever can create names in the
 socket's directory can replace the socket with one of their own and answer root's ``reload`` or
@@ -53,7 +53,7 @@ from agent.ownership import describe_user as _user
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
-RESERVED_SLOTS = 2         # connections beyond max_clients, for root and the service's user only
+RESERVED_PERMITS = 2         # connections beyond max_clients, for root and the service's user only
 MAX_RESPONSE = 16 * 2**20
 # No request needs a long number. Refused before int() sees it: Python's own limit (4300
 # digits) raises a ValueError whose advice (sys.set_int_max_str_digits) is not the client's.
@@ -147,7 +147,7 @@ def error_reply(message: str, kind: str) -> dict[str, Any]:
     return {"ok": False, "error": message, "kind": kind}
 
 
-def dispatch(controller: Controls, request: ControlRequest, peer: Peer,
+def dispatch(controls: Controls, request: ControlRequest, peer: Peer,
              allowed_uids: Iterable[int]) -> dict[str, Any]:
     if not authorized(request.cmd, peer.uid, allowed_uids):
         return error_reply(
@@ -156,7 +156,7 @@ def dispatch(controller: Controls, request: ControlRequest, peer: Peer,
     if request.cmd == "ping":
         return {"ok": True, "result": {"pong": True}}
     try:
-        result = getattr(controller, request.cmd)()
+        result = getattr(controls, request.cmd)()
     except ControlError as e:
         return error_reply(str(e), e.kind)
     except Exception as e:  # the daemon must answer, whatever went wrong in the command
@@ -191,22 +191,22 @@ def peer_credentials(conn: socket.socket) -> Peer:
 
 
 class ControlServer:
-    """Serves one controller on a Unix socket until :meth:`stop`."""
+    """Serves one set of control methods on a Unix socket until :meth:`stop`."""
 
-    def __init__(self, path: str, controller: Controls, *, group: str | None = "wagent",
+    def __init__(self, path: str, controls: Controls, *, group: str | None = "wagent",
                  allowed_uids: Iterable[int] = (), read_timeout: float = 5.0,
                  max_clients: int = 8) -> None:
         self.path = path
-        self.controller = controller
+        self.controls = controls
         self.group = group
         self.allowed_uids = frozenset(allowed_uids) | {os.getuid()}
         # who may own the socket's directories (the clients trust the same users to serve it)
         self.trusted = trusted_uids()
         self.read_timeout = read_timeout
-        self._slots = threading.BoundedSemaphore(max_clients)
+        self._permits = threading.BoundedSemaphore(max_clients)
         # Kept for root and the service's user: a reader in the socket's group holding every
-        # ordinary slot open must not turn away `systemctl reload` (ExecReload=wagent reload).
-        self._reserve = threading.BoundedSemaphore(RESERVED_SLOTS)
+        # ordinary permit open must not turn away `systemctl reload` (ExecReload=wagent reload).
+        self._reserve = threading.BoundedSemaphore(RESERVED_PERMITS)
         self._sock: socket.socket | None = None
         self._lock: int | None = None
         self._inode: tuple[int, int] | None = None
@@ -268,7 +268,7 @@ class ControlServer:
         return self._thread is not None and self._thread.is_alive()
 
     def connections(self) -> int:
-        """Connections being served now, each holding a slot (counted once its slot is taken,
+        """Connections being served now, each holding a permit (counted once its permit is taken,
         until it is given back): how full the server is, for whoever watches it."""
         with self._serving_lock:
             return self._serving
@@ -295,18 +295,18 @@ class ControlServer:
             except OSError:
                 conn.close()
                 continue
-            slot = self.slot_for(peer)
-            if slot is None:
+            permit = self.permit_for(peer)
+            if permit is None:
                 self._refuse_busy(conn)
                 continue
             with self._serving_lock:
                 self._serving += 1
-            threading.Thread(target=self._serve, args=(conn, peer, slot), name="control-conn",
+            threading.Thread(target=self._serve, args=(conn, peer, permit), name="control-conn",
                              daemon=True).start()
 
-    def slot_for(self, peer: Peer) -> threading.BoundedSemaphore | None:
-        if self._slots.acquire(blocking=False):
-            return self._slots
+    def permit_for(self, peer: Peer) -> threading.BoundedSemaphore | None:
+        if self._permits.acquire(blocking=False):
+            return self._permits
         privileged = peer.uid == 0 or peer.uid in self.allowed_uids
         if privileged and self._reserve.acquire(blocking=False):
             return self._reserve
@@ -318,7 +318,7 @@ class ControlServer:
             conn.sendall(encode(error_reply("daemon busy: too many control connections",
                                             "busy")))
 
-    def _serve(self, conn: socket.socket, peer: Peer, slot: threading.BoundedSemaphore) -> None:
+    def _serve(self, conn: socket.socket, peer: Peer, permit: threading.BoundedSemaphore) -> None:
         try:
             with conn:
                 try:
@@ -334,7 +334,7 @@ class ControlServer:
                 with contextlib.suppress(OSError):
                     conn.sendall(data)
         finally:
-            slot.release()
+            permit.release()
             with self._serving_lock:
                 self._serving -= 1
 
@@ -349,7 +349,7 @@ class ControlServer:
         except (TimeoutError, OSError) as e:
             log.info("control client pid %d dropped: %s", peer.pid, e)
             return None
-        reply = dispatch(self.controller, request, peer, self.allowed_uids)
+        reply = dispatch(self.controls, request, peer, self.allowed_uids)
         if request.cmd != "status":
             log.info("control: %s from uid %d pid %d: %s", request.cmd, peer.uid, peer.pid,
                      "ok" if reply["ok"] else reply["error"])

@@ -1,4 +1,4 @@
-"""The daemon: the main loop and the state, and the controller that serves status and reload.
+"""The daemon: the main loop and the state, and the control methods (status, reload, pause, resume).
 
 The main thread owns every change of state. Signals (SIGHUP reload, SIGTERM/SIGINT stop) and
 control requests from the socket's threads only queue work and wake the loop through one pipe;
@@ -10,7 +10,7 @@ WATCHDOG=1 goes out only while all of them live, so systemd restarts a daemon wh
 and it sends STATUS= when the one-line summary changed. Everything else that is timed (polls,
 slots, windows, the shaping re-apply, store cleaning, metrics) is a job on the scheduler.
 
-The controller methods (:meth:`status`, :meth:`reload`, :meth:`pause`, :meth:`resume`) are the
+The control methods (:meth:`status`, :meth:`reload`, :meth:`pause`, :meth:`resume`) are the
 same whatever the transport: ``agent.control`` calls them for the Unix socket.
 """
 
@@ -283,7 +283,7 @@ class Daemon:
         raise ControlError(f"reload refused; the previous policy stays in force:\n{message}",
                            "refused")
 
-    # -- the controller (any thread) --------------------------------------------------------
+    # -- the control methods (any thread) ---------------------------------------------------
     def state(self) -> DaemonState:
         return self.app.snapshot(self.parts, DaemonState(
             pid=os.getpid(), started_at=self.started_at, version=__version__,

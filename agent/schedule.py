@@ -459,7 +459,7 @@ def _year_changes(zone: tzinfo, year: int) -> tuple[tuple[int, int, int], ...]:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _YearPieces:
     """A window set's pieces over whole years, with what the walk needs to know of them."""
 
     pieces: tuple[tuple[float, float, _Piece], ...]     # with the UTC times each can hold
@@ -469,7 +469,7 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(windows: tuple[Window, ...], first_year: int, last_year: int) -> _Plan:
+def _year_pieces(windows: tuple[Window, ...], first_year: int, last_year: int) -> _YearPieces:
     """The pieces of ``windows`` from 1 January of ``first_year`` to the end of ``last_year``
     (cached: the daemon asks for the same windows every second)."""
     firing = [w for w in windows if _fires(w.cron)]
@@ -488,7 +488,7 @@ def _plan(windows: tuple[Window, ...], first_year: int, last_year: int) -> _Plan
         pieces.append(_Piece(shape, off, wall_lo, math.inf))
     periods = {p.shape.period for p in pieces}
     period = None if None in periods else max(periods, default=None)    # DAY divides WEEK
-    return _Plan(tuple((*p.reach, p) for p in pieces), tuple(sorted(changes)), period,
+    return _YearPieces(tuple((*p.reach, p) for p in pieces), tuple(sorted(changes)), period,
                  max((w.duration for w in firing), default=0.0))
 
 
@@ -496,8 +496,8 @@ def _chain_end(windows: tuple[Window, ...], now: float, limit: float) -> float:
     """The end of the joined spans that hold ``now`` (``now`` if none), or ``limit`` if they
     reach it. The same as building every span and merging them (the unit tests check it
     against that), in runs: see the comment above."""
-    plan = _plan(windows, _dt(now - 3 * DAY - max(w.duration for w in windows)).year,
-                 _dt(limit + 2 * DAY).year)
+    plan = _year_pieces(windows, _dt(now - 3 * DAY - max(w.duration for w in windows)).year,
+                        _dt(limit + 2 * DAY).year)
     if not plan.pieces:
         return now
     period, marks, longest = plan.period, plan.changes, plan.longest

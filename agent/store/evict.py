@@ -34,7 +34,7 @@ class VersionUse:
 @dataclass(frozen=True)
 class Choice:
     versions: tuple[tuple[str, str], ...]   # (model, version), least recently used first
-    blobs: tuple[str, ...]                  # sha256, sorted
+    blobs: tuple[str, ...]                  # blob ids (agent.blob_id), sorted
 
 
 def choose(versions: Sequence[VersionUse], blob_sizes: Mapping[str, int], *,

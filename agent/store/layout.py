@@ -94,7 +94,7 @@ class VersionInfo:
 @dataclass(frozen=True)
 class Removed:
     kind: str                  # "version", "blob" or "partial"
-    name: str                  # "model/version", or the blob's (partial file's) sha256
+    name: str                  # "model/version", or the blob id (of the blob or partial file)
     size: int
 
 

@@ -22,7 +22,7 @@ class StandIn:
         self.stopped = False
         self.loads = []
 
-    def start(self, policy, controller):
+    def start(self, policy, controls):
         return {"policy": policy}
 
     def stop(self, parts, budget):

@@ -29,7 +29,7 @@ from agent.notify import Notifier
 from agent.policy.model import Policy
 
 class App:
-    def start(self, policy, controller):
+    def start(self, policy, controls):
         daemons = signal.getsignal(signal.SIGHUP)
         def handled(signum, frame):
             daemons(signum, frame)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from agent.control import (
-    RESERVED_SLOTS,
+    RESERVED_PERMITS,
     ControlError,
     ControlRequest,
     ControlServer,
@@ -135,16 +135,16 @@ def test_a_live_daemon_is_not_robbed_even_when_its_socket_does_not_answer(tmp_pa
 def test_slow_and_oversized_clients_dont_stall(server):
     srv, _ = server
     slow = []
-    for _ in range(2 + RESERVED_SLOTS):  # every slot, root's reserve too, never finishing a line
+    for _ in range(2 + RESERVED_PERMITS):  # every permit, root's reserve too, no line ever ends
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(srv.path)
         s.sendall(b'{"cmd": ')
         slow.append(s)
-    assert wait_for(lambda: srv.connections() == 2 + RESERVED_SLOTS)   # each holds a slot
-    # while the slots are full, a new client is told "busy" at once, not made to wait
+    assert wait_for(lambda: srv.connections() == 2 + RESERVED_PERMITS)   # each holds a permit
+    # while the permits are full, a new client is told "busy" at once, not made to wait
     with pytest.raises(ControlError, match="busy"):
         call(srv.path, "status", timeout=2)
-    assert srv.connections() == 2 + RESERVED_SLOTS
+    assert srv.connections() == 2 + RESERVED_PERMITS
     # the read deadline (0.5 s) drops the slow ones, though they never close
     assert wait_for(lambda: srv.connections() == 0, timeout=3)
     assert call(srv.path, "status") == {"schema": 1}
@@ -162,17 +162,17 @@ def test_slow_and_oversized_clients_dont_stall(server):
 
 
 def test_slots_kept_for_root_and_the_service_user_only(server):
-    """Members of the socket's group holding every ordinary slot can't lock out root's
-    `wagent reload` (systemd's ExecReload); they can't take the kept slots themselves."""
+    """Members of the socket's group holding every ordinary permit can't lock out root's
+    `wagent reload` (systemd's ExecReload); they can't take the kept permits themselves."""
     srv, _ = server
     reader, root = Peer(pid=1, uid=4321, gid=4321), Peer(pid=1, uid=0, gid=0)
-    taken = [srv.slot_for(reader), srv.slot_for(reader)]   # max_clients=2 in the fixture
+    taken = [srv.permit_for(reader), srv.permit_for(reader)]   # max_clients=2 in the fixture
     assert all(taken)
-    assert srv.slot_for(reader) is None
-    kept = [srv.slot_for(root) for _ in range(RESERVED_SLOTS)]
-    assert all(kept) and srv.slot_for(root) is None
-    for slot in taken + kept:
-        slot.release()
+    assert srv.permit_for(reader) is None
+    kept = [srv.permit_for(root) for _ in range(RESERVED_PERMITS)]
+    assert all(kept) and srv.permit_for(root) is None
+    for permit in taken + kept:
+        permit.release()
 
 
 def test_concurrent_status_calls(server):
@@ -243,7 +243,7 @@ def test_undecodable_requests_are_answered_not_fatal(server, caplog):
         reply = raw(srv.path, bad)
         assert reply is not None and reply["kind"] == "protocol" and why in reply["error"]
         assert [r for r in caplog.records if why in r.getMessage()], why
-    assert call(srv.path, "status") == {"schema": 1}        # its slots were all given back
+    assert call(srv.path, "status") == {"schema": 1}        # its permits were all given back
     assert call(srv.path, "status") == {"schema": 1}
     assert call(srv.path, "status") == {"schema": 1}
     assert not [r for r in caplog.records if r.exc_info]
@@ -258,7 +258,7 @@ def test_an_unexpected_failure_in_a_connection_is_answered_and_logged_once(tmp_p
                         read_timeout=0.5, max_clients=1)
     srv.start()
     try:
-        for _ in range(3):                   # the one slot is given back each time
+        for _ in range(3):                   # the one permit is given back each time
             with pytest.raises(ControlError) as e:
                 call(srv.path, "status")
             assert e.value.kind == "internal", e.value

@@ -120,7 +120,7 @@ def test_counter_delta_and_rates():
 
 def test_rates_are_averaged_over_the_window(tmp_path):
     set_netdev(tmp_path, "eth0", 0, 0)
-    det = LinkDetector(tmp_path, ack_share=0.0, window=0.5)
+    det = LinkDetector(tmp_path, ack_share=0.0, average_over=0.5)
     det.sample(0.0, {"eth0": (0, 0)})
     rx = dist = 0
     others = []
@@ -137,7 +137,7 @@ def test_rates_are_averaged_over_the_window(tmp_path):
 
 def test_a_sudden_flow_crosses_the_threshold_within_a_tick(tmp_path):
     set_netdev(tmp_path, "eth0", 0, 0)
-    det = LinkDetector(tmp_path, ack_share=0.0, window=0.5)
+    det = LinkDetector(tmp_path, ack_share=0.0, average_over=0.5)
     det.sample(0.0, {"eth0": (0, 0)})
     set_netdev(tmp_path, "eth0", 0, 0)
     det.sample(0.1, {"eth0": (0, 0)})

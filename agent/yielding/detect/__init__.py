@@ -43,7 +43,7 @@ __all__ = [
 
 # Seconds the link's rates are averaged over: 0, the last tick. A flow is judged in the tick it
 # starts; the controller's quiet period, not an average, keeps a backoff through short gaps.
-LINK_WINDOW = 0.0
+LINK_AVERAGE = 0.0
 # Shares of one core the paced detectors may take, and how stale their readings may get. A
 # training job maps libnccl when it starts, seconds before its first byte.
 PORTS_SHARE, PORTS_MOST = 0.001, 3.0
@@ -76,7 +76,7 @@ class Detectors:
         """
         proc_root, sys_root = roots_from(backoff.roots)
         return cls(
-            link=LinkDetector(sys_root, interfaces, window=LINK_WINDOW) if link else None,
+            link=LinkDetector(sys_root, interfaces, average_over=LINK_AVERAGE) if link else None,
             rdma=RdmaDetector(sys_root),
             ports=PortsDetector(backoff.training_ports, proc_root)
             if backoff.training_ports else None,

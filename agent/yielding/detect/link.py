@@ -44,7 +44,7 @@ Distribution = Mapping[str, Counters] | Callable[[], Mapping[str, Counters] | No
 class LinkDetector:
     def __init__(self, root: str | Path = "/", interfaces: Sequence[str] = (),
                  exclude: Sequence[str] = DEFAULT_EXCLUDE, count_all: bool = False,
-                 ack_share: float = ACK_SHARE, window: float = 0.0) -> None:
+                 ack_share: float = ACK_SHARE, average_over: float = 0.0) -> None:
         self._net = Path(root) / "sys" / "class" / "net"
         self._interfaces = tuple(interfaces)
         self._exclude = tuple(exclude)
@@ -52,8 +52,8 @@ class LinkDetector:
         self._ack_share = ack_share
         # Rates are averaged over at least this long: one short tick is noisy (reads of the
         # link and of the classes a few ms apart), and a real flow crosses the threshold of
-        # the average within a fraction of the window anyway.
-        self._window = window
+        # the average within a fraction of that time anyway.
+        self._average_over = average_over
         self._history: dict[str, list[tuple[float, list[float]]]] = {}
         self._seen_at: dict[str, float] = {}
         self._counters = CounterRates()
@@ -73,11 +73,11 @@ class LinkDetector:
 
     def sample(self, now: float, distribution: Distribution | None = None,
                ) -> tuple[LinkReading, ...]:
-        """Rates over the last ``window`` seconds. ``distribution`` is the distribution classes'
-        cumulative ``{ifname: (rx, tx)}``, or a callable returning it: then the interface counters
-        are read just before and just after it and averaged, so both are taken at one instant
-        (at 1 Gbit/s, 10 ms between two reads is 100 Mbit/s of phantom traffic over a 100 ms
-        tick)."""
+        """Rates over the last ``average_over`` seconds. ``distribution`` is the distribution
+        classes' cumulative ``{ifname: (rx, tx)}``, or a callable returning it: then the link's
+        counters are read just before and just after it and averaged, so both are taken at one
+        instant (at 1 Gbit/s, 10 ms between two reads is 100 Mbit/s of phantom traffic over a
+        100 ms tick)."""
         names = self.interfaces()
         read = self._files.stats if self._files is not None else _read_stats
         if callable(distribution):
@@ -115,7 +115,7 @@ class LinkDetector:
                 self._history.pop(ifname, None)
                 self._seen_at[ifname] = now
                 continue
-            out.append(self._windowed(ifname, now, [r * 8 for r in rates]))  # type: ignore
+            out.append(self._averaged(ifname, now, [r * 8 for r in rates]))  # type: ignore
         for ifname in names:
             if after[ifname] is not None:
                 self._seen_at[ifname] = now
@@ -124,15 +124,15 @@ class LinkDetector:
             del self._history[gone]
         return tuple(out)
 
-    def _windowed(self, ifname: str, now: float, bps: list[float]) -> LinkReading:
-        if self._window <= 0:
+    def _averaged(self, ifname: str, now: float, bps: list[float]) -> LinkReading:
+        if self._average_over <= 0:
             mean = bps                   # the last tick's rates (the backoff loop's case)
         else:
             prev_at = self._seen_at.get(ifname, now)
             hist = self._history.setdefault(ifname, [])
             hist.append((now - prev_at, bps))
-            # Keep the fewest recent ticks that still span the window.
-            while len(hist) > 1 and sum(dt for dt, _ in hist[1:]) >= self._window - 1e-9:
+            # Keep the fewest recent ticks that still cover ``average_over``.
+            while len(hist) > 1 and sum(dt for dt, _ in hist[1:]) >= self._average_over - 1e-9:
                 hist.pop(0)
             total = sum(dt for dt, _ in hist) or 1.0
             mean = [sum(dt * b[i] for dt, b in hist) / total for i in range(len(bps))]
