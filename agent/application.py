@@ -47,7 +47,7 @@ from agent.yielding.runtime import ShapingRuntime
 log = logging.getLogger(__name__)
 
 VERIFY_EVERY = 5.0      # seconds between re-applies of the shaping plan (ShapingRuntime.verify)
-CLEAN_EVERY = 3600.0    # seconds between the store's cleanings and evictions (also after pulls)
+EVICT_EVERY = 3600.0    # seconds between the store's evictions and cleanings (also after pulls)
 METRICS_EVERY = 5.0     # seconds between metrics updates (the textfile, the exporter's gauges)
 # The state dir holds what to restore on `shaping clear`: no one else writes or reads it. The
 # store is read by nginx on a cache node (its models/ tree is served as is), so others may read.
@@ -253,7 +253,7 @@ class Application:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
         s = parts.scheduler
         s.every(VERIFY_EVERY, parts.shaping.verify, job_id="shaping-verify")
-        s.every(CLEAN_EVERY, parts.pulls.evict, job_id="store-clean")
+        s.every(EVICT_EVERY, parts.pulls.evict, job_id="store-evict")
 
         def metrics() -> None:
             try:

@@ -204,9 +204,9 @@ def test_fleet_waves_backoff_reload_restart(testbed):
         assert doc["daemon"]["paused"] is False and doc["daemon"]["uptime_s"] > 0
         # every timed job is on APScheduler, listed with its next run
         jobs = {j["id"]: j["next_run_at"] for j in doc["daemon"]["jobs"]}
-        assert {"shaping-verify", "store-clean", "metrics"} <= set(jobs)
+        assert {"shaping-verify", "store-evict", "metrics"} <= set(jobs)
         assert any(j.startswith("model:") for j in jobs)
-        assert jobs["store-clean"] > doc["generated_at"]
+        assert jobs["store-evict"] > doc["generated_at"]
         assert doc["node"] == {"id": "inf-1", "hostname": "inf-1", "role": "inference",
                                "wave": 0, "wave_delay_s": 0.0}
         assert doc["policy"]["path"] == str(inf.policy)
