@@ -245,9 +245,9 @@ class Application:
     def resume(self, parts: Parts) -> None:
         parts.worker.resume()
 
-    def export_metrics(self, parts: Parts, doc: dict[str, Any]) -> None:
+    def export_metrics(self, parts: Parts, state: DaemonState) -> None:
         if parts.metrics is not None:
-            parts.metrics.update(doc, parts.worker.fetched_totals())
+            parts.metrics.update(state, parts.worker.fetched_totals())
 
     def _schedule_housekeeping(self, parts: Parts, controller: Any) -> None:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
@@ -257,7 +257,7 @@ class Application:
 
         def metrics() -> None:
             try:
-                self.export_metrics(parts, controller.status())
+                self.export_metrics(parts, controller.state())
             except Exception as e:
                 message = f"writing metrics failed: {e}"
                 if message != parts.metrics_error:
