@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Protocol, cast
 
 from agent.control import Controls, ControlServer, prepare_socket_dir, trusted_uids
 from agent.identity import ROLE_OVERRIDE, Identity, identify
@@ -84,6 +84,13 @@ def worker_deps(pulls: NodePulls) -> WorkerDeps:
                       stall_after=pulls.stall_after)
 
 
+class DaemonControls(Controls, Protocol):
+    """The daemon as its parts see it: the control socket's methods, and its state, which the
+    metrics job reads as values (never the JSON document parsed back)."""
+
+    def state(self) -> DaemonState: ...
+
+
 class Application:
     def __init__(self, policy_path: str, *, state_dir: str | None = None,
                  socket: str | None = None, hostname: str | None = None,
@@ -114,7 +121,7 @@ class Application:
         return replace(ident, node_id=self.node_id) if self.node_id else ident
 
     # -- start / stop -------------------------------------------------------------------------
-    def start(self, policy: Policy, controls: Controls) -> Parts:
+    def start(self, policy: Policy, controls: DaemonControls) -> Parts:
         """Control socket, store, shaping (READY waits for it), backoff, the pull worker on the
         scheduler, metrics.
 
@@ -196,7 +203,8 @@ class Application:
         parts.pulls.announce_held()
         parts.worker.update(new)
         if parts.control is not None:
-            self._schedule_housekeeping(parts, parts.control.controls)
+            # the control socket serves what start was given: the daemon
+            self._schedule_housekeeping(parts, cast(DaemonControls, parts.control.controls))
         if parts.control is not None and (new.control != old.control):
             controls = parts.control.controls
             parts.control.stop()
@@ -245,11 +253,11 @@ class Application:
     def resume(self, parts: Parts) -> None:
         parts.worker.resume()
 
-    def export_metrics(self, parts: Parts, doc: dict[str, Any]) -> None:
+    def export_metrics(self, parts: Parts, state: DaemonState) -> None:
         if parts.metrics is not None:
-            parts.metrics.update(doc, parts.worker.fetched_totals())
+            parts.metrics.update(state, parts.worker.fetched_totals())
 
-    def _schedule_housekeeping(self, parts: Parts, controls: Controls) -> None:
+    def _schedule_housekeeping(self, parts: Parts, controls: DaemonControls) -> None:
         """The periodic jobs beside the models' own (re-added on reload: their ids replace)."""
         s = parts.scheduler
         s.every(VERIFY_EVERY, parts.shaping.verify, job_id="shaping-verify")
@@ -257,7 +265,7 @@ class Application:
 
         def metrics() -> None:
             try:
-                self.export_metrics(parts, controls.status())
+                self.export_metrics(parts, controls.state())
             except Exception as e:
                 message = f"writing metrics failed: {e}"
                 if message != parts.metrics_error:

@@ -1,17 +1,18 @@
-"""Prometheus metrics, derived from the status document so the two never disagree.
+"""Prometheus metrics, derived from the status values so they never disagree with status.
 
-The daemon hands each tick's status document (``agent.status.to_json``) to :class:`Metrics`; a
-collector on wagent's own ``CollectorRegistry`` (never the global one, which would mix in
-process metrics of whatever imported us) turns the latest document into metric families at
-scrape time. Served on ``metrics.listen`` (``127.0.0.1:9464`` by default; by
-:class:`agent.metrics_http.ScrapeServer`, which bounds the connections and the time each may take,
-and which we own, so a reload can move it) and/or written atomically to a node_exporter textfile
-(``metrics.textfile``) every tick, and removed when the daemon stops.
+The daemon's metrics job hands its state (``agent.status.DaemonState``, the values
+``agent.status.to_json`` renders as the status document) to :class:`Metrics`; a collector on
+wagent's own ``CollectorRegistry`` (never the global one, which would mix in process metrics of
+whatever imported us) turns the latest state into metric families at scrape time. Served on
+``metrics.listen`` (``127.0.0.1:9464`` by default; by :class:`agent.metrics_http.ScrapeServer`,
+which bounds the connections and the time each may take, and which we own, so a reload can move
+it) and/or written atomically to a node_exporter textfile (``metrics.textfile``) every tick, and
+removed when the daemon stops.
 
 The names follow Prometheus' conventions as node_exporter does (every metric, its type, labels
 and unit: ``docs/status.md``, "Metrics"):
 
-- base units only: bytes and seconds. The status document speaks bits per second (as ``tc``
+- base units only: bytes and seconds. Status speaks bits per second (as ``tc``
   and the policy do); the metrics divide by 8, and RTTs in microseconds become seconds.
 - a traffic rate is a counter of bytes (``*_bytes_total``) for ``rate()`` to derive, never a
   gauge beside it. A gauge in ``*_bytes_per_second`` exists only for what no counter can give:
@@ -32,7 +33,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,7 +41,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from agent import __version__
 from agent.metrics_http import MAX_CONNECTIONS, REQUEST_DEADLINE, ScrapeServer
 from agent.policy.model import MetricsSettings
-from agent.status import ERROR_KINDS, PULL_STATES
+from agent.status import (
+    ERROR_KINDS,
+    PULL_STATES,
+    BackoffInfo,
+    DaemonState,
+    PolicyInfo,
+    PullInfo,
+    ShapingInfo,
+    problems,
+)
 from agent.store import Store
 from agent.store.pointers import current as current_pointer
 from agent.yielding.controller import SIGNAL_KINDS
@@ -54,13 +64,14 @@ BITS_PER_BYTE = 8
 class Reading(NamedTuple):
     name: str
     help: str
-    scale: float            # from the status document's unit to the metric's base unit
+    scale: float            # from the status unit to the metric's base unit
 
 
-# The backoff loop's readings (status ``backoff.readings``), one metric each in its base unit:
-# a single ``reading{name}`` gauge would mix bits/s, microseconds, bytes and counts in one
-# family, which no query can sum or compare. A reading missing here is not exported: a new one
-# needs its name and unit decided first (and a row in docs/status.md).
+# The backoff loop's readings (``BackoffInfo.readings``, status ``backoff.readings``), one
+# metric each in its base unit: a single ``reading{name}`` gauge would mix bits/s,
+# microseconds, bytes and counts in one family, which no query can sum or compare. A reading
+# missing here is not exported: a new one needs its name and unit decided first (and a row in
+# docs/status.md).
 READINGS: dict[str, Reading] = {
     "other_bps": Reading(
         "wagent_backoff_other_traffic_bytes_per_second",
@@ -104,17 +115,17 @@ class _Collector:
         self.owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        doc, fetched, current, finished = self.owner.latest()
-        if doc is None:
+        state, fetched, current, finished = self.owner.latest()
+        if state is None:
             return
-        yield from families(doc, fetched, current, finished)
+        yield from families(state, fetched, current, finished)
 
 
-def current_versions(doc: Mapping[str, Any]) -> dict[str, str]:
+def current_versions(state: DaemonState) -> dict[str, str]:
     """model -> the version ``{store}/models/{model}/current`` names, for every model in the
-    store the document names. Read from the store, not reported by the daemon: the pointer is
-    what inference servers load, whoever moved it (``wagent store`` by hand too)."""
-    path = doc["store"]["path"]
+    daemon's store. Read from the store, not reported by the daemon: the pointer is what
+    inference servers load, whoever moved it (``wagent store`` by hand too)."""
+    path = state.store.path
     if not path:
         return {}
     store = Store(path)
@@ -131,68 +142,69 @@ def current_versions(doc: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def families(doc: Mapping[str, Any], fetched: Mapping[str, int],
+def families(state: DaemonState, fetched: Mapping[str, int],
              current: Mapping[str, str] | None = None,
              finished: Mapping[str, float] | None = None) -> Iterator[Metric]:
-    """Metric families from one status document (pure but for ``current``, which is read from
+    """Metric families from the daemon's state (pure but for ``current``, which is read from
     the store when not given: see :func:`current_versions`). ``finished``: model -> when its
-    last pull finished, as :class:`Metrics` remembers it across documents; by default the
-    document's ``finished_at``."""
+    last pull finished, as :class:`Metrics` remembers it across states; by default the
+    state's ``finished_at``."""
     if current is None:
-        current = current_versions(doc)
+        current = current_versions(state)
     if finished is None:
-        finished = last_finished(doc, {})
+        finished = last_finished(state.pulls, {})
     g = GaugeMetricFamily
     yield g("wagent_up", "1 while the daemon runs; the textfile is removed when it stops",
             value=1)
     yield g("wagent_healthy", "1 healthy, 0 degraded (see wagent status)",
-            value=1 if doc["health"] == "healthy" else 0)
+            value=0 if problems(state) else 1)
     build = g("wagent_build_info", "1; version: the wagent version running (wagent --version)",
               labels=["version"])
     build.add_metric([__version__], 1)
     yield build
     yield g("wagent_start_timestamp_seconds", "When the daemon started, Unix time",
-            value=doc["daemon"]["started_at"])
-    yield from _pulls(doc, fetched, current, finished)
-    yield from _shaping(doc["shaping"])
-    yield from _backoff(doc["backoff"])
-    s = doc["store"]
+            value=state.started_at)
+    yield from _pulls(state.pulls, fetched, current, finished)
+    yield from _shaping(state.shaping)
+    yield from _backoff(state.backoff)
+    s = state.store
     yield g("wagent_store_used_bytes", "Bytes on disk in the store's blobs and partial files",
-            value=s["used_bytes"])
-    yield g("wagent_store_versions", "Version directories in the store", value=s["versions"])
-    if s["free_bytes"] is not None:
+            value=s.used_bytes)
+    yield g("wagent_store_versions", "Version directories in the store", value=s.versions)
+    if s.free_bytes is not None:
         yield g("wagent_store_free_bytes", "Free bytes on the store's file system",
-                value=s["free_bytes"])
+                value=s.free_bytes)
     e = CounterMetricFamily("wagent_errors", "Errors by kind since the daemon started",
                             labels=["kind"])
-    counts = doc["daemon"]["error_counts"]
+    counts = state.error_counts
     for kind in sorted(set(ERROR_KINDS) | set(counts)):
         e.add_metric([kind], counts.get(kind, 0))
     yield e
-    yield from _policy(doc["policy"])
+    yield from _policy(state.policy)
 
 
-def last_finished(doc: Mapping[str, Any], before: Mapping[str, float]) -> dict[str, float]:
-    """model -> when its last pull finished: the document's ``finished_at``, else what an
-    earlier document said. The worker clears ``finished_at`` when the model's next pull starts,
-    and a timestamp that vanished for the hours a pull lasts would end any "no pull finished
-    for a day" alert. A model gone from the policy goes from here too."""
-    models = {p["model"] for p in doc["pulls"]}
+def last_finished(pulls: tuple[PullInfo, ...], before: Mapping[str, float]
+                  ) -> dict[str, float]:
+    """model -> when its last pull finished: the pull's ``finished_at``, else what an earlier
+    state said. The worker clears ``finished_at`` when the model's next pull starts, and a
+    timestamp that vanished for the hours a pull lasts would end any "no pull finished for a
+    day" alert. A model gone from the policy goes from here too."""
+    models = {p.model for p in pulls}
     out = {m: at for m, at in before.items() if m in models}
-    for p in doc["pulls"]:
-        at = p.get("finished_at")
+    for p in pulls:
+        at = p.finished_at
         if at is not None:
-            out[p["model"]] = max(at, out.get(p["model"], at))
+            out[p.model] = max(at, out.get(p.model, at))
     return out
 
 
-def _pulls(doc: Mapping[str, Any], fetched: Mapping[str, int], current: Mapping[str, str],
-           finished: Mapping[str, float]) -> Iterator[Metric]:
+def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
+           current: Mapping[str, str], finished: Mapping[str, float]) -> Iterator[Metric]:
     g = GaugeMetricFamily
     c = CounterMetricFamily("wagent_pull_bytes", "Bytes pulls fetched over the network since "
                             "the daemon started (its rate() is the pull goodput)",
                             labels=["model"])
-    for model in sorted(set(fetched) | {p["model"] for p in doc["pulls"]}):
+    for model in sorted(set(fetched) | {p.model for p in pulls}):
         c.add_metric([model], fetched.get(model, 0))
     yield c
     streams = g("wagent_pull_streams", "Connections of the model's pull with a request in "
@@ -205,14 +217,14 @@ def _pulls(doc: Mapping[str, Any], fetched: Mapping[str, int], current: Mapping[
               labels=["model", "state"])
     last = g("wagent_pull_last_finished_timestamp_seconds", "When the model's last pull "
              "published its version, Unix time", labels=["model"])
-    for p in doc["pulls"]:
-        streams.add_metric([p["model"]], p["streams"])
-        if p["version"]:
-            done.add_metric([p["model"], p["version"]], p["bytes_done"])
-            if p["bytes_total"] is not None:
-                size.add_metric([p["model"], p["version"]], p["bytes_total"])
+    for p in pulls:
+        streams.add_metric([p.model], p.streams)
+        if p.version:
+            done.add_metric([p.model, p.version], p.bytes_done)
+            if p.bytes_total is not None:
+                size.add_metric([p.model, p.version], p.bytes_total)
         for s in PULL_STATES:
-            state.add_metric([p["model"], s], 1 if p["state"] == s else 0)
+            state.add_metric([p.model, s], 1 if p.state == s else 0)
     for model, at in sorted(finished.items()):
         last.add_metric([model], at)
     cur = g("wagent_model_current_info", "1; version: the version the store's current pointer "
@@ -222,65 +234,65 @@ def _pulls(doc: Mapping[str, Any], fetched: Mapping[str, int], current: Mapping[
     yield from (streams, done, size, state, last, cur)
 
 
-def _shaping(sh: Mapping[str, Any]) -> Iterator[Metric]:
+def _shaping(sh: ShapingInfo) -> Iterator[Metric]:
     g = GaugeMetricFamily
-    if sh["cap_bps"] is not None:
+    if sh.cap_bps is not None:
         yield g("wagent_shaping_cap_bytes_per_second", "The policy's cap (shaping.ceil) of "
-                "distribution traffic", value=sh["cap_bps"] / BITS_PER_BYTE)
-    if sh["current_ceil_bps"] is not None:
+                "distribution traffic", value=sh.cap_bps / BITS_PER_BYTE)
+    if sh.current_ceil_bps is not None:
         yield g("wagent_shaping_ceil_bytes_per_second", "The distribution class's ceil now "
-                "(the backoff loop moves it)", value=sh["current_ceil_bps"] / BITS_PER_BYTE)
+                "(the backoff loop moves it)", value=sh.current_ceil_bps / BITS_PER_BYTE)
     # device: the interface the policy names, as node_exporter's node_network_* label it (for
     # ingress the tree itself is on an IFB device, which no one queries by name)
     counters = {k: CounterMetricFamily(f"wagent_shaping_class_{k}", text,
                                        labels=["device", "direction", "class"])
                 for k, text in CLASS_COUNTERS.items()}
-    for i in sh["interfaces"]:
-        for cl in i["classes"]:
+    for i in sh.interfaces:
+        for cl in i.classes:
             for k, fam in counters.items():
-                fam.add_metric([i["name"], i["direction"], cl["name"]], cl[k])
+                fam.add_metric([i.name, i.direction, cl.name], getattr(cl, k))
     yield from counters.values()
 
 
-def _backoff(b: Mapping[str, Any]) -> Iterator[Metric]:
+def _backoff(b: BackoffInfo) -> Iterator[Metric]:
     g = GaugeMetricFamily
     st = g("wagent_backoff_state", "1 for the backoff controller's current state",
            labels=["state"])
     for s in BACKOFF_STATES:
-        st.add_metric([s], 1 if b["state"] == s else 0)
+        st.add_metric([s], 1 if b.state == s else 0)
     yield st
-    if b["rate_bps"] is not None:
+    if b.rate_bps is not None:
         yield g("wagent_backoff_rate_bytes_per_second", "The distribution rate the backoff "
                 "controller set (HTB ceil and the pulls' token bucket)",
-                value=b["rate_bps"] / BITS_PER_BYTE)
+                value=b.rate_bps / BITS_PER_BYTE)
     yield CounterMetricFamily("wagent_backoff_events", "Times training traffic made wagent "
-                              "back off", value=b["events_total"])
+                              "back off", value=b.events_total)
     by = CounterMetricFamily("wagent_backoff_signal_events", "Backoffs by the kind of signal "
                              "that caused them (one backoff may count for several)",
                              labels=["signal"])
     for kind in SIGNAL_KINDS:
-        by.add_metric([kind], b.get("events_by_signal", {}).get(kind, 0))
+        by.add_metric([kind], b.events_by_signal.get(kind, 0))
     yield by
-    for key, value in sorted(b["readings"].items()):
+    for key, value in sorted(b.readings.items()):
         r = READINGS.get(key)
         if r is not None and value is not None:
             yield g(r.name, r.help, value=float(value) * r.scale)
 
 
-def _policy(pol: Mapping[str, Any]) -> Iterator[Metric]:
+def _policy(pol: PolicyInfo) -> Iterator[Metric]:
     g = GaugeMetricFamily
     info = g("wagent_policy_info", "1; sha256: of the policy file in force",
              labels=["sha256"])
-    if pol["sha256"]:
-        info.add_metric([pol["sha256"]], 1)
+    if pol.sha256:
+        info.add_metric([pol.sha256], 1)
     yield info
-    if pol["loaded_at"] is not None:
+    if pol.loaded_at is not None:
         yield g("wagent_policy_loaded_timestamp_seconds", "When the policy in force was loaded "
-                "(start or last successful reload), Unix time", value=pol["loaded_at"])
+                "(start or last successful reload), Unix time", value=pol.loaded_at)
     yield CounterMetricFamily("wagent_policy_reloads", "Successful reloads since the daemon "
-                              "started", value=pol["reloads"])
+                              "started", value=pol.reloads)
     yield g("wagent_policy_reload_refused", "1 while the last reload was refused",
-            value=1 if pol["last_error"] else 0)
+            value=1 if pol.last_error else 0)
 
 
 class Metrics:
@@ -294,7 +306,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
         self._lock = threading.Lock()
-        self._doc: dict[str, Any] | None = None
+        self._state: DaemonState | None = None
         self._fetched: dict[str, int] = {}
         self._current: dict[str, str] = {}
         self._finished: dict[str, float] = {}
@@ -304,10 +316,10 @@ class Metrics:
         self._textfile_lock = threading.Lock()
         self._stopped = False
 
-    def latest(self) -> tuple[dict[str, Any] | None, dict[str, int], dict[str, str],
+    def latest(self) -> tuple[DaemonState | None, dict[str, int], dict[str, str],
                               dict[str, float]]:
         with self._lock:
-            return self._doc, dict(self._fetched), dict(self._current), dict(self._finished)
+            return self._state, dict(self._fetched), dict(self._current), dict(self._finished)
 
     def start(self) -> None:
         if not self.policy.listen:
@@ -343,12 +355,14 @@ class Metrics:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.policy.textfile)
 
-    def update(self, doc: dict[str, Any], fetched: dict[str, int]) -> None:
+    def update(self, state: DaemonState, fetched: dict[str, int]) -> None:
+        """``state``: the daemon's, as status renders it; ``fetched``: model -> bytes its
+        pulls fetched since start (the worker's counters)."""
         # The store is read here, once a tick, not at each scrape: scrapers set the pace there.
-        current = current_versions(doc)
+        current = current_versions(state)
         with self._lock:
-            self._doc, self._fetched, self._current = doc, dict(fetched), current
-            self._finished = last_finished(doc, self._finished)
+            self._state, self._fetched, self._current = state, dict(fetched), current
+            self._finished = last_finished(state.pulls, self._finished)
         if not self.policy.textfile:
             return
         with self._textfile_lock:

@@ -5,7 +5,7 @@ shaper, backoff loop, pull worker, store) and :func:`to_json` turns it into the 
 ``wagent status --json`` prints and monitoring parses. That document is an API: its fields are
 documented in ``docs/status.md``, ``"schema"`` is bumped on any incompatible change, and the
 client renders the human text (:func:`to_text`) from the document, never from daemon internals,
-so the two can't disagree.
+so the two can't disagree. The metrics (``agent.metrics``) read the same ``DaemonState``.
 
 >>> doc = to_json(DaemonState(pid=1, started_at=0.0, version="0.1.0"), now=10.0)
 >>> doc["schema"], doc["health"], exit_code(doc)
@@ -15,7 +15,7 @@ so the two can't disagree.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.units import format_duration, format_rate, format_size
@@ -115,14 +115,43 @@ class BackoffInfo:
 
 
 @dataclass(frozen=True)
+class PullProgress:
+    """How far a pull is: what ``agent.pull.engine.pull_version`` hands its progress callback
+    (about twice a second, and once per landed file), the figures a model's status shows
+    (:meth:`PullInfo.progressed`) and what ``wagent pull`` draws. The callback runs on the
+    pull's threads, one call at a time; it must be quick (a stream waits), and an exception
+    from it is logged and ends the progress reports, not the pull."""
+
+    model: str
+    version: str
+    event: str                 # "start", "progress", "file" (one file landed), "done"
+    bytes_total: int           # the version's distinct bytes
+    bytes_done: int            # already present, resumed, copied or fetched and verified so far
+    bytes_fetched: int         # received from the network in this pull
+    bytes_reused: int          # copied from local blobs in this pull
+    rate: float                # bytes/s received, over the last few seconds
+    streams: int               # streams with a request in flight
+    files_done: int
+    files_total: int
+    elapsed: float
+    file: str | None = None    # for "file": its path
+    bytes_in_flight: int = 0   # received, in pieces not verified yet (not in bytes_done)
+
+    @property
+    def eta(self) -> float | None:
+        left = self.bytes_total - self.bytes_done
+        return left / self.rate if self.rate > 0 else (0.0 if left == 0 else None)
+
+
+@dataclass(frozen=True)
 class PullInfo:
     model: str
     version: str | None = None          # None: "latest" not resolved yet
     state: str = "idle"                 # one of PULL_STATES
     bytes_done: int = 0
     bytes_total: int | None = None
-    rate_bps: float = 0.0               # recent goodput, bits/s
-    streams: int = 0                    # connections in use now
+    rate_bps: float = 0.0               # recent goodput, bits/s (0 unless pulling)
+    streams: int = 0                    # connections in use now (0 unless pulling)
     slot_at: float | None = None        # this node's wave slot for this version
     starts_at: float | None = None      # when it may start: slot, or later if learned late or
                                         # outside the role's windows; None: no window opens
@@ -132,6 +161,12 @@ class PullInfo:
     error: str | None = None
     stalled: str | None = None          # the worker made no progress for longer than it may
     on_ready: str | None = None         # the last on_ready hook's outcome ("exit 0 after 0.4 s")
+
+    def progressed(self, p: PullProgress) -> PullInfo:
+        """The model's status once its pull reported ``p``: the one place a pull's figures
+        become status (rates here are bits/s, as ``tc`` and the policy speak)."""
+        return replace(self, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
+                       rate_bps=p.rate * 8, streams=p.streams)
 
 
 @dataclass(frozen=True)

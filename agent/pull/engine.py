@@ -9,6 +9,10 @@ the manifest from the first source that serves a valid one (unless the caller fe
 the daemon reads it earlier for the publication time); plan against the store (pieces in the
 file's partial journal are kept, pieces in any local blob are copied, the rest fetched); run the
 transfer; publish the version atomically.
+
+A pull's settings are one value, :class:`agent.pull.options.PullOptions`, handed on to the
+transfer; its progress reports are :class:`agent.status.PullProgress`, the value status shows
+(both importable from here).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,19 +36,19 @@ from agent.manifest import (
     check_name,
     parse,
 )
-from agent.policy.model import Pulls, Source
+from agent.policy.model import Source
 from agent.pull import plan as planning
-from agent.pull.goodput import Floor
-from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, redact, url_for
+from agent.pull.http import Client, CredentialsError, FetchError, redact, url_for
+from agent.pull.options import PullOptions
 from agent.pull.transfer import (
     FREE_SPACE_HINT,
     FileState,
     PullError,
     PullStopped,
-    Settings,
     StoreFull,
     Transfer,
 )
+from agent.status import PullProgress
 from agent.store import Store, StoreError, space
 from agent.store.partial import Claims, Partial, PartialBusy
 from agent.units import format_size
@@ -57,81 +61,6 @@ __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStoppe
 
 log = logging.getLogger(__name__)
 MIN_REQUEST = 2**20
-
-
-@dataclass(frozen=True)
-class PullOptions:
-    streams: int = 8
-    piece_size: int = 64 * 2**20        # publisher side; here only the cap of one request
-    request_size: int = 16 * 2**20      # consecutive pieces batched into one Range request
-    chunk: int = 2**20                  # bytes read (and paid to the bucket) at a time
-    connect_timeout: float = 10.0
-    read_timeout: float = 30.0
-    # Deadlines (see http.py): a response's headers within headers_deadline s of its request
-    # (None: connect + read timeout); a manifest or `latest` body at small_body_rate bytes/s
-    # at least, after one read timeout.
-    headers_deadline: float | None = None
-    small_body_rate: float = 256 * 1024
-    retries: int = 5
-    backoff_base: float = 0.5
-    backoff_cap: float = 30.0
-    durable: bool = True                # fdatasync a piece before journaling it
-    # Every piece is verified and the pieces tile the file, so the file's sha256 already holds;
-    # True adds one sequential re-read and hash of each file (about doubling the CPU per GB).
-    verify_files: bool = False
-    # A floor on one request's goodput: a source whose body arrives slower than min_goodput
-    # bytes/s, averaged over goodput_window seconds (after goodput_grace seconds), is abandoned
-    # and the rest of the request retried on the next source. Only time spent waiting on the
-    # network counts, never time held by the rate limit. 0 turns it off. Reads are capped at
-    # min_goodput x goodput_window / 2 bytes (see goodput.py); the defaults keep that at 1 MiB,
-    # the usual chunk (smaller reads cost CPU). A stream under 64 KiB/s for half a minute is
-    # broken: 10 Mbit/s spread over 16 streams still gives each about 78 KB/s.
-    min_goodput: int = 64 * 1024
-    goodput_window: float = 32.0
-    goodput_grace: float = 30.0
-
-    @classmethod
-    def from_policy(cls, pulls: Pulls) -> PullOptions:
-        return cls(streams=pulls.streams, piece_size=pulls.piece_size,
-                   request_size=min(pulls.piece_size, cls.request_size),
-                   connect_timeout=pulls.connect_timeout, read_timeout=pulls.read_timeout,
-                   retries=pulls.retries)
-
-    @property
-    def timeouts(self) -> Timeouts:
-        return Timeouts(self.connect_timeout, self.read_timeout, self.headers_deadline,
-                        self.small_body_rate)
-
-    @property
-    def floor(self) -> Floor:
-        return Floor(self.min_goodput, self.goodput_window, self.goodput_grace)
-
-
-@dataclass(frozen=True)
-class PullProgress:
-    """What a progress callback gets: about twice a second, and once per landed file. The
-    callback runs on the pull's threads, one call at a time; it must be quick (a stream waits),
-    and an exception from it is logged and ends the progress reports, not the pull."""
-
-    model: str
-    version: str
-    event: str                 # "start", "progress", "file" (one file landed), "done"
-    bytes_total: int           # the version's distinct bytes
-    bytes_done: int            # already present, resumed, copied or fetched and verified so far
-    bytes_fetched: int         # received from the network in this pull
-    bytes_reused: int          # copied from local blobs in this pull
-    rate: float                # bytes/s received, over the last few seconds
-    streams: int               # streams with a request in flight
-    files_done: int
-    files_total: int
-    elapsed: float
-    file: str | None = None    # for "file": its path
-    bytes_in_flight: int = 0   # received, in pieces not verified yet (not in bytes_done)
-
-    @property
-    def eta(self) -> float | None:
-        left = self.bytes_total - self.bytes_done
-        return left / self.rate if self.rate > 0 else (0.0 if left == 0 else None)
 
 
 @dataclass(frozen=True)
@@ -312,12 +241,10 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     # together rather than one of them finishing a long request alone.
     request_size = max(1, min(options.request_size, options.piece_size,
                               max(MIN_REQUEST, p.bytes_fetch // (8 * streams))))
-    settings = Settings(m.model, m.version, streams, request_size, options.chunk,
-                        options.timeouts, options.retries, options.backoff_base,
-                        options.backoff_cap, options.verify_files, options.floor)
-    transfer = Transfer(sources, store, files,
-                        planning.requests_for(p, settings.request_size, tail=2 * streams),
-                        copies, settings, bucket, stop,
+    options = replace(options, streams=streams, request_size=request_size)
+    transfer = Transfer(sources, store, m.model, m.version, files,
+                        planning.requests_for(p, request_size, tail=2 * streams),
+                        copies, options, bucket, stop,
                         on_file=lambda f, n: emit("file", f.path), clock=clock)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []

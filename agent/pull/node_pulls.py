@@ -40,8 +40,10 @@ from agent.identity import Identity
 from agent.manifest import MAX_MANIFEST_BYTES, Manifest, published_ts
 from agent.policy.model import Model, Policy
 from agent.pull import engine
+from agent.pull.options import PullOptions
 from agent.pull.transfer import RETRY_AFTER_CAP
-from agent.pull.worker import Progress, WindowState
+from agent.pull.worker import WindowState
+from agent.status import PullProgress
 from agent.store import Store, pointers, space
 from agent.yielding.ratelimit import TokenBucket
 
@@ -63,6 +65,7 @@ class NodePulls:
         self.bucket = bucket
         self.clock = clock
         self.pulling = pulling
+        self._options = PullOptions.from_policy(policy.pulls)
         self._told: set[str] = set()        # own announcements already warned about
         self._lock = threading.Lock()
         # model -> (version, raw manifest, manifest) fetched by ``published``, for its pull
@@ -71,13 +74,15 @@ class NodePulls:
     def update(self, policy: Policy, identity: Identity, store: Store) -> None:
         """A reload: the calls from now on read the new policy, role and store."""
         self.policy, self.identity, self.store = policy, identity, store
+        self._options = PullOptions.from_policy(policy.pulls)
 
     @property
     def cache_node(self) -> bool:
         return self.identity.role == self.policy.cache_role
 
-    def options(self) -> engine.PullOptions:
-        return engine.PullOptions.from_policy(self.policy.pulls)
+    def options(self) -> PullOptions:
+        """The pulls' options, built from the policy's ``pulls`` once per policy."""
+        return self._options
 
     # -- which version, published when ----------------------------------------------------------
     def resolve(self, model: Model) -> str:
@@ -170,20 +175,16 @@ class NodePulls:
             log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
 
     # -- the pull and what follows it ----------------------------------------------------------
-    def pull(self, model: Model, version: str, progress: Callable[[Progress], None],
+    def pull(self, model: Model, version: str, progress: Callable[[PullProgress], None],
              stop: threading.Event) -> None:
         """Pull the version (rules 3 and 4), then announce it on a cache node (rule 5)."""
-        def report(p: engine.PullProgress) -> None:
-            progress(Progress(done=p.bytes_done, total=p.bytes_total, streams=p.streams,
-                              fetched=p.bytes_fetched, rate_bps=p.rate * 8))
-
         o = self.options()
         o = replace(o, streams=max(1, o.streams // max(1, self.pulling())))
         with self._lock:
             held = self._manifests.pop(model.name, None)
         fetched = held[1:] if held is not None and held[0] == version else None
         engine.pull_version(self.policy.sources, model.name, version, self.store, options=o,
-                            bucket=self.bucket, progress=report, stop=stop, manifest=fetched)
+                            bucket=self.bucket, progress=progress, stop=stop, manifest=fetched)
         # The version is published and durable by now; the pull succeeded whatever happens in
         # the announcement.
         self.announce(model.name, version)

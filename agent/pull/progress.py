@@ -7,7 +7,8 @@ import sys
 import threading
 from typing import TextIO
 
-from agent.pull.engine import PullProgress, PullResult
+from agent.pull.engine import PullResult
+from agent.status import PullProgress
 from agent.units import format_duration, format_rate, format_size
 
 

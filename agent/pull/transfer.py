@@ -41,17 +41,17 @@ from dataclasses import dataclass
 from agent import hashing
 from agent.manifest import Piece
 from agent.policy.model import Source
-from agent.pull.goodput import Floor, Meter
+from agent.pull.goodput import Meter
 from agent.pull.http import (
     ChangedError,
     Client,
     CredentialsError,
     FetchError,
     NoRangesError,
-    Timeouts,
     redact,
     url_for,
 )
+from agent.pull.options import PullOptions
 from agent.pull.plan import Copy, RangeRequest
 from agent.store import Store
 from agent.store.partial import Partial
@@ -96,33 +96,24 @@ class FileState:
     remaining: int
 
 
-@dataclass(frozen=True)
-class Settings:
-    model: str
-    version: str
-    streams: int
-    request_size: int
-    chunk: int
-    timeouts: Timeouts
-    retries: int
-    backoff_base: float
-    backoff_cap: float
-    verify_files: bool
-    floor: Floor = Floor(0, 0, 0)
-
-
 class Transfer:
-    def __init__(self, sources: Sequence[Source], store: Store, files: dict[str, FileState],
-                 requests: Sequence[RangeRequest], copies: Sequence[tuple[str, Copy]],
-                 settings: Settings, bucket: TokenBucket | None, stop: threading.Event,
+    """The streams of one pull of ``model``/``version``. ``options``: the pull's, with the
+    streams and request size this pull uses (``agent.pull.engine`` sets them)."""
+
+    def __init__(self, sources: Sequence[Source], store: Store, model: str, version: str,
+                 files: dict[str, FileState], requests: Sequence[RangeRequest],
+                 copies: Sequence[tuple[str, Copy]], options: PullOptions,
+                 bucket: TokenBucket | None, stop: threading.Event,
                  on_file: Callable[[FileState, int], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sources = list(sources)
         self.store = store
+        self.model = model
+        self.version = version
         self.files = files
         self.queue = collections.deque(requests)
         self.copies = list(copies)
-        self.s = settings
+        self.s = options
         self.bucket = bucket
         self.stop = stop
         self.on_file = on_file
@@ -360,7 +351,7 @@ class Transfer:
         source = self.sources[si]
         offset = pieces[0].offset
         size = sum(p.size for p in pieces)
-        url = url_for(source, self.s.model, self.s.version, f.path)
+        url = url_for(source, self.model, self.version, f.path)
         chunk = self.bucket.chunk_size(self.s.chunk) if self.bucket else self.s.chunk
         chunk = self.s.floor.max_read(chunk)
         key = redact(source.url)          # the journal is no place for credentials

@@ -32,13 +32,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from agent.policy.model import Model, Policy
-from agent.status import PullInfo
+from agent.status import PullInfo, PullProgress
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +53,9 @@ RESOLVE_FAILURES_FAILED = 3
 MAX_WAIT = 86400.0
 
 
-@dataclass(frozen=True)
-class Progress:
-    done: int                   # bytes of the version present (resumed, copied, fetched)
-    total: int | None
-    streams: int                # connections with a request in flight
-    fetched: int                # bytes received from the network in this pull
-    rate_bps: float | None = None   # the engine's recent goodput; None: derived from samples
-
-
 # (model, version, progress, stop) -> None; raises on failure (or on stop: partials are kept).
-PullFn = Callable[[Model, str, Callable[[Progress], None], threading.Event], None]
+# ``progress`` gets the engine's reports as they are (agent.pull.engine.pull_version).
+PullFn = Callable[[Model, str, Callable[[PullProgress], None], threading.Event], None]
 
 
 @dataclass(frozen=True)
@@ -128,15 +119,11 @@ class _ModelState:
     fetched_total: int = 0          # bytes counted by progress, across pulls (for metrics)
     current: tuple[str, threading.Event] | None = None   # the pull running: version, stop
     busy: _Busy | None = None
-    samples: deque[tuple[float, int]] = field(default_factory=deque)
-    engine_rate: float | None = None
     ready: str | None = None        # the version last handed to deps.ready
     step_error: str | None = None   # the model's last step raised (status: degraded)
 
 
 class Worker:
-    RATE_WINDOW = 5.0       # seconds of progress samples behind the rate shown
-
     def __init__(self, policy: Policy, deps: WorkerDeps) -> None:
         self.policy = policy
         self.deps = deps
@@ -229,10 +216,7 @@ class Worker:
         with self._lock:
             now = self.deps.clock()
             limit = self.deps.stall_after()
-            return tuple(replace(st.info,
-                                 rate_bps=self._rate(st) if st.info.state == "pulling"
-                                 else st.info.rate_bps,
-                                 stalled=_stalled(st.busy, now, limit))
+            return tuple(replace(st.info, stalled=_stalled(st.busy, now, limit))
                          for st in self._states.values())
 
     def fetched_totals(self) -> dict[str, int]:
@@ -336,7 +320,8 @@ class Worker:
             return self._until_poll(model, st, now)
         local = d.local_version(model)
         if d.have(model, version):
-            self._set(st, version=version, state="done", local_version=local, streams=0)
+            self._set(st, version=version, state="done", local_version=local, streams=0,
+                      rate_bps=0.0)
             return self._made_ready(model, st, version, now)
         if st.published is None or st.published[0] != version:
             try:
@@ -393,24 +378,19 @@ class Worker:
         started = d.clock()
         with self._lock:
             st.current = (version, stop)
-            st.samples.clear()
-            st.engine_rate = None
         self._set(st, version=version, state="pulling", slot_at=slot_at, started_at=started,
-                  bytes_done=0, bytes_total=None, error=None, finished_at=None)
+                  bytes_done=0, bytes_total=None, rate_bps=0.0, error=None, finished_at=None)
         closes_at = d.window(started).closes_at
         if closes_at is not None and self._jobs is not None:
             self._jobs.at(closes_at, self.supervise, job_id=f"window-close:{model.name}")
         last_fetched = [0]
 
-        def progress(p: Progress) -> None:
+        def progress(p: PullProgress) -> None:
             with self._lock:
-                st.fetched_total += max(0, p.fetched - last_fetched[0])
-                last_fetched[0] = p.fetched
-                st.samples.append((d.clock(), p.fetched))
-                st.engine_rate = p.rate_bps
-                _moved(st.busy, p.done, p.fetched, d.clock())
-                st.info = replace(st.info, bytes_done=p.done, bytes_total=p.total,
-                                  streams=p.streams)
+                st.fetched_total += max(0, p.bytes_fetched - last_fetched[0])
+                last_fetched[0] = p.bytes_fetched
+                _moved(st.busy, p.bytes_done, p.bytes_fetched, d.clock())
+                st.info = st.info.progressed(p)
 
         try:
             with self._working(st, f"pulling {version}"):
@@ -418,14 +398,14 @@ class Worker:
         except Exception as e:
             if stop.is_set():
                 # stopped on purpose (pause, window, reload, shutdown): partials are kept
-                self._set(st, state="paused" if self._paused else "idle", streams=0)
+                self._set(st, state="paused" if self._paused else "idle", streams=0, rate_bps=0.0)
                 return 0.1
             self.failures_total += 1
             st.failures += 1
             delay = min(self.policy.poll_interval, 10.0 * 2 ** min(st.failures - 1, 6))
             st.retry_at = d.clock() + delay
             log.warning("pull %s %s failed (retry in %.0f s): %s", model.name, version, delay, e)
-            self._set(st, state="failed", error=str(e), streams=0)
+            self._set(st, state="failed", error=str(e), streams=0, rate_bps=0.0)
             return delay
         finally:
             with self._lock:
@@ -433,11 +413,11 @@ class Worker:
             if self._jobs is not None:
                 self._jobs.cancel(f"window-close:{model.name}")
         if stop.is_set() and not d.have(model, version):
-            self._set(st, state="paused" if self._paused else "idle", streams=0)
+            self._set(st, state="paused" if self._paused else "idle", streams=0, rate_bps=0.0)
             return 0.1
         st.failures = 0
-        self._set(st, state="done", finished_at=d.clock(), streams=0, error=None,
-                  local_version=version)
+        self._set(st, state="done", finished_at=d.clock(), streams=0, rate_bps=0.0,
+                  error=None, local_version=version)
         log.info("pulled %s %s", model.name, version)
         wait = self._made_ready(model, st, version, d.clock())
         try:
@@ -520,18 +500,6 @@ class Worker:
     def _set(self, st: _ModelState, **changes: object) -> None:
         with self._lock:
             st.info = replace(st.info, **changes)  # type: ignore[arg-type]
-
-    def _rate(self, st: _ModelState) -> float:
-        if st.engine_rate is not None:
-            return st.engine_rate
-        samples = st.samples
-        if len(samples) < 2:
-            return 0.0
-        now = samples[-1][0]
-        while len(samples) > 2 and now - samples[0][0] > self.RATE_WINDOW:
-            samples.popleft()
-        (t0, b0), (t1, b1) = samples[0], samples[-1]
-        return (b1 - b0) * 8 / (t1 - t0) if t1 > t0 else 0.0
 
 
 def _moved(busy: _Busy | None, done: int, fetched: int, now: float) -> None:

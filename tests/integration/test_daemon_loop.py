@@ -48,7 +48,7 @@ class StandIn:
     def snapshot(self, parts, base):
         return base
 
-    def export_metrics(self, parts, doc):
+    def export_metrics(self, parts, state):
         pass
 
     def pause(self, parts):

@@ -124,14 +124,13 @@ def test_served_on_ipv6_loopback_and_idle_scrapers_are_dropped():
     from agent.metrics import Metrics
     from agent.metrics_http import REQUEST_DEADLINE
     from agent.policy.model import MetricsSettings
-    from agent.status import to_json
-    from tests.unit.test_status import NOW, busy_state
+    from tests.unit.test_status import busy_state
 
     assert 0 < REQUEST_DEADLINE <= 10
     m = Metrics(MetricsSettings(listen="[::1]:0"), deadline=0.5)
     m.start()
     try:
-        m.update(to_json(busy_state(), NOW), {})
+        m.update(busy_state(), {})
         body = urllib.request.urlopen(f"http://[::1]:{m.port}/metrics", timeout=5).read()
         assert b"wagent_up 1.0" in body
         # a connection that sends nothing is closed by the server, not held for ever

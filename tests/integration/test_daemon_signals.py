@@ -53,7 +53,7 @@ class App:
     def snapshot(self, parts, base):
         print("TICK", flush=True)
         return base
-    def export_metrics(self, parts, doc): pass
+    def export_metrics(self, parts, state): pass
 
 d = Daemon(App(), Notifier(lambda m: print(m.replace("\n", " "), flush=True)))
 sys.exit(d.run(Policy(path="/p.yaml", sha256="a" * 64)))

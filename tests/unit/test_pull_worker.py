@@ -8,10 +8,17 @@ import pytest
 
 from agent import schedule
 from agent.policy.model import Model, Policy, Pulls
-from agent.pull.worker import MIN_POLL_WAIT, Progress, WindowState, Worker, WorkerDeps
+from agent.pull.worker import MIN_POLL_WAIT, WindowState, Worker, WorkerDeps
 from agent.schedule import poll_after
 from agent.scheduler import Scheduler
+from agent.status import PullProgress
 from tests.waiting import wait_for
+
+
+def reported(done, total, streams, fetched, rate=0.0):
+    """What the engine reports of a pull ``done`` bytes of ``total`` in (``rate``: bytes/s)."""
+    return PullProgress("llama", "v1", "progress", total, done, fetched, 0, rate, streams, 0, 1,
+                        0.0)
 
 
 class World:
@@ -36,7 +43,7 @@ class World:
 
     def deps(self):
         def pull(model, version, progress, stop):
-            progress(Progress(done=50, total=100, streams=4, fetched=50, rate_bps=8e6))
+            progress(reported(done=50, total=100, streams=4, fetched=50, rate=1e6))
             if self.block is not None:
                 while not stop.is_set() and not self.block.is_set():
                     stop.wait(0.01)
@@ -44,7 +51,7 @@ class World:
                     raise RuntimeError("stopped")
             if self.fail:
                 raise RuntimeError(self.fail)
-            progress(Progress(done=100, total=100, streams=0, fetched=100))
+            progress(reported(done=100, total=100, streams=0, fetched=100))
             self.installed.add((model.name, version))
             self.pulled.append((model.name, version))
 
@@ -262,7 +269,7 @@ def test_a_stuck_model_never_holds_the_others(scheduler):
 
     def pull(model, version, progress, stop):
         if model.name == "fast":
-            progress(Progress(done=100, total=100, streams=0, fetched=100))
+            progress(reported(done=100, total=100, streams=0, fetched=100))
             w.installed.add((model.name, version))
             w.pulled.append((model.name, version))
             return

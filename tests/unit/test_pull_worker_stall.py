@@ -8,8 +8,9 @@ import threading
 import pytest
 
 from agent.policy.model import Model, Policy
-from agent.pull.worker import Progress, WindowState, Worker, WorkerDeps
+from agent.pull.worker import WindowState, Worker, WorkerDeps
 from agent.status import EXIT_DEGRADED, EXIT_HEALTHY, DaemonState, exit_code, to_json, to_text
+from tests.unit.test_pull_worker import reported
 
 LIMIT = 100.0
 
@@ -34,7 +35,7 @@ class World:
 
         def pull(model, version, progress, stop):
             self.progress = progress
-            progress(Progress(done=10, total=100, streams=2, fetched=10))
+            progress(reported(done=10, total=100, streams=2, fetched=10))
             self._hang("pull")
 
         return WorkerDeps(
@@ -85,10 +86,10 @@ def test_bytes_moving_keep_a_long_pull_healthy():
         assert w.entered.wait(10)
         for fetched in range(20, 100, 10):
             w.now += LIMIT * 0.9
-            w.progress(Progress(done=fetched, total=100, streams=2, fetched=fetched))
+            w.progress(reported(done=fetched, total=100, streams=2, fetched=fetched))
             assert state(p)["health"] == "healthy"
         w.now += LIMIT * 0.9
-        w.progress(Progress(done=90, total=100, streams=2, fetched=90))   # nothing moved
+        w.progress(reported(done=90, total=100, streams=2, fetched=90))   # nothing moved
         w.now += LIMIT * 0.2
         assert state(p)["health"] == "degraded"
     finally:
