@@ -38,8 +38,8 @@ from agent.policy.model import Policy
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker, WorkerDeps
 from agent.scheduler import Scheduler
-from agent.snapshot import snapshot
-from agent.status import DaemonState
+from agent.snapshot import snapshot, tick_summary
+from agent.status import DaemonState, TickSummary
 from agent.store import Store, StoreError, space
 from agent.yielding.ratelimit import TokenBucket
 from agent.yielding.runtime import ShapingRuntime
@@ -281,6 +281,9 @@ class Application:
     # -- status ---------------------------------------------------------------------------
     def snapshot(self, parts: Parts | None, base: DaemonState) -> DaemonState:
         return snapshot(parts, base, self.clock, self.monotonic)
+
+    def tick_summary(self, parts: Parts | None, base: TickSummary) -> TickSummary:
+        return tick_summary(parts, base)
 
 
 def _join_within(stop: Callable[[bool], None], seconds: float) -> None:

@@ -7,8 +7,11 @@ control client never holds the loop (it waits in its own thread for the loop's a
 
 Every tick (1 s) the loop checks the worker threads (the scheduler, backoff, control):
 WATCHDOG=1 goes out only while all of them live, so systemd restarts a daemon whose worker died;
-and it sends STATUS= when the one-line summary changed. Everything else that is timed (polls,
-slots, windows, the shaping re-apply, store cleaning, metrics) is a job on the scheduler.
+and it sends STATUS= when the one-line summary changed. Both come from what the parts hold in
+memory (``Daemon.tick_summary``), not from the status document, whose netlink dumps and store scan
+are paid only when someone asks (``wagent status``, the metrics job). Everything else that is
+timed (polls, slots, windows, the shaping re-apply, store cleaning, metrics) is a job on the
+scheduler.
 
 The control methods (:meth:`status`, :meth:`reload`, :meth:`pause`, :meth:`resume`) are the
 same whatever the transport: ``agent.control`` calls them for the Unix socket.
@@ -34,7 +37,7 @@ from agent.control import ControlError
 from agent.notify import Notifier, WatchdogGate
 from agent.policy import PolicyError
 from agent.policy.model import Policy
-from agent.status import DaemonState, PolicyInfo, one_line, to_json
+from agent.status import DaemonState, PolicyInfo, TickSummary, one_line, to_json
 
 log = logging.getLogger(__name__)
 
@@ -211,15 +214,18 @@ class Daemon:
         return self.app.workers(self.parts) if self.parts is not None else {}
 
     def tick(self) -> None:
+        """The workers' liveness and the STATUS= line, from the cheap :meth:`tick_summary`:
+        never the whole status document (netlink dumps, a store scan), which waits for someone
+        to ask."""
         try:
-            doc = self.status()
+            s = self.tick_summary()
             self._ok("status")
         except Exception as e:  # a bad read must not stop the daemon; the watchdog still runs
-            log.exception("building the status failed")
-            self._error("status", f"building the status failed: {e}")
+            log.exception("reading the daemon's summary failed")
+            self._error("status", f"reading the daemon's summary failed: {e}")
             return
-        self.notifier.status(one_line(doc))
-        for name, alive in doc["daemon"]["workers"].items():
+        self.notifier.status(one_line(s))
+        for name, alive in s.workers.items():
             if not alive and name not in self._dead_reported:
                 self._dead_reported.add(name)
                 log.error("worker thread %s died; withholding the watchdog so systemd "
@@ -292,6 +298,11 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         return to_json(self.state(), self.clock())
+
+    def tick_summary(self) -> TickSummary:
+        """What the tick reads (:class:`agent.status.TickSummary`)."""
+        return self.app.tick_summary(self.parts, TickSummary(
+            workers=self.workers(), reload_refused=self.policy_info.last_error is not None))
 
     def reload(self) -> dict[str, Any]:
         req = _Request("reload")

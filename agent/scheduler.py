@@ -7,9 +7,10 @@ Three traps in APScheduler 3 are closed here:
   ("start pulling version v2", "the night window opened") must run however late, so every job
   gets ``misfire_grace_time=None`` and ``coalesce=True`` (several missed runs collapse into one).
 * ``CronTrigger(day_of_week=0)`` means Monday, where cron's 0 is Sunday (and cron ORs the two day
-  fields where CronTrigger ANDs them). wagent never gives APScheduler a cron field: window
-  openings come from ``agent.cron`` and are scheduled as one-shot DateTrigger jobs, each
-  re-armed for the following opening when it fires.
+  fields where CronTrigger ANDs them). wagent never gives APScheduler a cron field: the
+  windows' openings and closings are reckoned by ``agent.schedule`` (from ``agent.cron``), and
+  the pull worker arms one-shot jobs at them: a model's job for the opening its pull waits for,
+  ``window-close:{model}`` for the closing of the window a pull started in.
 * A one-shot job that re-arms itself to run at once (a model's job whose next poll is already
   due, after a pull that took longer than the poll interval) can come due before its current
   run has returned: APScheduler then skips it ("maximum number of running instances reached",
@@ -24,7 +25,7 @@ datetimes; the scheduler runs in UTC.
 
 >>> s = Scheduler(); s.start()
 >>> s.at(time.time() + 60, start_pull, job_id="pull:llama:v2")
->>> s.on_windows("window:training", windows, on_open, clock=time.time)
+>>> s.every(5.0, verify, job_id="shaping-verify")
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from agent.policy.model import Window
-from agent.schedule import NEVER, next_opening, open_until
+from agent.schedule import NEVER
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ LATEST = datetime.fromtimestamp(NEVER, UTC)
 
 
 class Scheduler:
-    """One-shot, interval and window-opening jobs on a background thread pool, in UTC."""
+    """One-shot and interval jobs on a background thread pool, in UTC."""
 
     # Each model's job may hold a thread for a whole pull (hours): threads enough for every
     # model and the housekeeping jobs; an idle thread costs nothing.
@@ -160,40 +160,6 @@ class Scheduler:
         trigger = IntervalTrigger(seconds=seconds, timezone=UTC,
                                   start_date=_aware(first) if first is not None else None)
         self._aps.add_job(func, trigger, id=job_id, name=job_id, replace_existing=True)
-
-    def on_windows(self, job_id: str, windows: Iterable[Window], func: Callable[[], Any],
-                   clock: Callable[[], float]) -> float | None:
-        """Call ``func()`` at every opening of ``windows`` (one already open counts at once).
-
-        Returns the first opening scheduled, or None when the windows never open (or there
-        are none: pulls may then run at any time and there is nothing to wait for).
-        """
-        windows = tuple(windows)
-        if not windows:
-            self.cancel(job_id)
-            return None
-
-        def fire() -> None:
-            try:
-                func()
-            finally:
-                # The next opening strictly after this one: the current window is open now, so
-                # look from its end, as next_opening(now) would return now again.
-                self._arm_after(job_id, windows, fire, clock)
-
-        first = next_opening(windows, clock())
-        if first is None:
-            self.cancel(job_id)
-            return None
-        self.at(first, fire, job_id=job_id)
-        return first
-
-    def _arm_after(self, job_id: str, windows: tuple[Window, ...], fire: Callable[[], None],
-                   clock: Callable[[], float]) -> None:
-        now = clock()
-        when = next_opening(windows, open_until(windows, now))
-        if when is not None and self._aps.running:
-            self.at(when, fire, job_id=job_id)
 
     def cancel(self, job_id: str) -> bool:
         """Remove a job; False if there was none."""

@@ -1,6 +1,8 @@
 """The status snapshot: what the running parts (pull worker, shaper, backoff loop, store) say,
-turned into the values of ``agent.status``. Called from any thread (the control socket's
-and the main loop's); it only reads, taking the parts' lock around the shared netlink socket.
+turned into the values of ``agent.status``: the whole :class:`DaemonState` (:func:`snapshot`)
+or the tick's cheap :class:`TickSummary` (:func:`tick_summary`). Called from any thread (the control
+socket's and the main loop's); it only reads, taking the parts' lock around the shared netlink
+socket.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from agent.status import (
     ShapedInterface,
     ShapingInfo,
     StoreInfo,
+    TickSummary,
     WindowInfo,
 )
 from agent.store import Store
 from agent.store.layout import NOT_VERSIONS
+from agent.yielding.backoff import BackoffStatus
 
 MAX_EVENTS = 20        # backoff state changes shown in status
 
@@ -51,6 +55,19 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float],
         pulls=parts.worker.snapshot(),
         window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
         store=store_info(parts.store))
+
+
+def tick_summary(parts: Parts | None, base: TickSummary) -> TickSummary:
+    """The daemon's summary with the running parts' views filled in: the worker's pulls and
+    the backoff loop's state, both held in memory. No netlink dump and no store scan (those
+    are :func:`snapshot`'s): the daemon's tick reads this every second."""
+    if parts is None:
+        return base
+    loop = parts.shaping.loop
+    backoff = loop.status() if loop is not None else None
+    return replace(base, paused=parts.worker.paused, pulls=parts.worker.snapshot(),
+                   backoff_state=backoff.state if backoff is not None else "off",
+                   backoff_reason=backoff.reason if backoff is not None else "")
 
 
 def shaping_info(parts: Parts) -> ShapingInfo:
@@ -79,16 +96,23 @@ def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
         if a.state != prev:
             events.append(BackoffEvent(a.at + offset, a.state, a.reason, a.rate_bps))
         prev = a.state
-    readings = {k: float(st[k]) for k in ("other_bps", "rdma_bps", "training_connections",
-                                          "nccl_processes", "pull_streams", "pull_min_rtt_us",
-                                          "pull_rtt_us", "pull_window_bytes")
-                if st.get(k) is not None}
     return BackoffInfo(
-        enabled=True, state=st["state"], reason=st["reason"],
-        since=None if st["since"] is None else st["since"] + offset,
-        rate_bps=st["rate_bps"], floor_bps=st["floor_bps"], cap_bps=st["cap_bps"],
-        events=tuple(events[1:][-MAX_EVENTS:]), events_total=st["events"],
-        readings=readings, events_by_signal=st.get("events_by_signal", {}))
+        enabled=True, state=st.state, reason=st.reason,
+        since=None if st.since is None else st.since + offset,
+        rate_bps=st.rate_bps, floor_bps=st.floor_bps, cap_bps=st.cap_bps,
+        events=tuple(events[1:][-MAX_EVENTS:]), events_total=st.events,
+        readings=readings(st), events_by_signal=st.events_by_signal)
+
+
+def readings(st: BackoffStatus) -> dict[str, float]:
+    """The loop's readings under their names in the document (``backoff.readings``); one not
+    taken yet (no pull socket sampled) is left out."""
+    values = {"other_bps": st.other_bps, "rdma_bps": st.rdma_bps,
+              "training_connections": st.training_connections,
+              "nccl_processes": st.nccl_processes, "pull_streams": st.pull_streams,
+              "pull_min_rtt_us": st.pull_min_rtt_us, "pull_rtt_us": st.pull_rtt_us,
+              "pull_window_bytes": st.pull_window_bytes}
+    return {k: float(v) for k, v in values.items() if v is not None}
 
 
 def store_info(store: Store) -> StoreInfo:

@@ -203,6 +203,21 @@ class DaemonState:
     error_counts: Mapping[str, int] = field(default_factory=dict)  # kind -> count since start
 
 
+@dataclass(frozen=True)
+class TickSummary:
+    """What the daemon's tick reads every second: whether the worker threads live (the
+    watchdog) and what :func:`one_line` tells systemd. Only what the parts hold in memory: the
+    whole :class:`DaemonState` costs netlink dumps and a store scan, paid when someone asks
+    (``wagent status``, the metrics job), not every second."""
+
+    workers: Mapping[str, bool] = field(default_factory=dict)   # thread name -> alive
+    paused: bool = False
+    pulls: tuple[PullInfo, ...] = ()
+    backoff_state: str = "off"          # as BackoffInfo.state
+    backoff_reason: str = ""
+    reload_refused: bool = False        # the last reload was refused (PolicyInfo.last_error)
+
+
 def problems(state: DaemonState) -> list[str]:
     """What makes the daemon degraded, in words for the person reading ``wagent status``."""
     out = [f"worker thread {name!r} is not running"
@@ -299,30 +314,30 @@ def _percent(p: PullInfo) -> float | None:
     return round(100.0 * min(p.bytes_done, p.bytes_total) / p.bytes_total, 1)
 
 
-def one_line(doc: Mapping[str, Any]) -> str:
+def one_line(s: TickSummary) -> str:
     """The systemd STATUS= line, e.g. ``pulling llama3-70b v3 41% at 480 Mbit/s; backed off:
     NCCL traffic``."""
     parts: list[str] = []
-    if doc["daemon"]["paused"]:
+    if s.paused:
         parts.append("paused")
-    active = [p for p in doc["pulls"] if p["state"] == "pulling"]
+    active = [p for p in s.pulls if p.state == "pulling"]
     for p in active:
-        pct = f" {p['percent']:.0f}%" if p["percent"] is not None else ""
-        parts.append(f"pulling {p['model']} {p['version']}{pct} at {format_rate(p['rate_bps'])}")
+        percent = _percent(p)
+        pct = f" {percent:.0f}%" if percent is not None else ""
+        parts.append(f"pulling {p.model} {p.version}{pct} at {format_rate(p.rate_bps)}")
     if not active:
-        waiting = [p for p in doc["pulls"] if p["state"] in ("waiting_slot", "waiting_window")]
+        waiting = [p for p in s.pulls if p.state in ("waiting_slot", "waiting_window")]
         if waiting:
             p = waiting[0]
-            what = "slot" if p["state"] == "waiting_slot" else "window"
-            parts.append(f"waiting for {what}: {p['model']} {p['version']}")
+            what = "slot" if p.state == "waiting_slot" else "window"
+            parts.append(f"waiting for {what}: {p.model} {p.version}")
         else:
             parts.append("idle")
-    b = doc["backoff"]
-    if b["state"] == "backed_off":
-        parts.append(f"backed off: {b['reason']}" if b["reason"] else "backed off")
-    elif b["state"] == "ramping":
+    if s.backoff_state == "backed_off":
+        parts.append(f"backed off: {s.backoff_reason}" if s.backoff_reason else "backed off")
+    elif s.backoff_state == "ramping":
         parts.append("ramping up")
-    if doc["policy"]["last_error"]:
+    if s.reload_refused:
         parts.append("reload refused (see wagent status)")
     return "; ".join(parts)
 

@@ -17,7 +17,7 @@ a test drives ticks by hand with ``tick()``; ``start()`` runs them on a thread.
                        tick=policy.backoff.tick)
     loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)
-    loop.status()   # plain values for status --json and metrics
+    loop.status()   # BackoffStatus(state="backed_off", rate_bps=10000000, events=1, ...)
 
 The loop holds the rate it wants (its controller's decision), never a copy of what a sink
 holds: a sink that can say (``current()``) is asked, one that can't is called again whenever
@@ -60,6 +60,34 @@ class Applied:
     state: str
     reason: str
     signals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackoffStatus:
+    """The loop as ``BackoffLoop.status()`` sees it, at one moment: its decision, its counts
+    and the detectors' last readings. ``agent.snapshot`` turns it into status's ``BackoffInfo``
+    (wall-clock times, the readings by their document names)."""
+
+    state: str                          # the controller's: "full", "backed_off", "ramping"
+    rate_bps: int                       # the rate it wants now (the cap before the first tick)
+    reason: str
+    since: float | None                 # the loop's clock (monotonic); None: not started
+    events: int                         # times training traffic made it back off
+    events_by_signal: Mapping[str, int]
+    ticks: int
+    cap_bps: int
+    floor_bps: int
+    apply_errors: int                   # sink calls that raised
+    last_error: str | None
+    # the detectors' last readings and the pull sockets' last sample
+    training_connections: int = 0
+    other_bps: float = 0.0              # the busiest interface's other traffic
+    rdma_bps: float = 0.0               # the busiest RDMA device's
+    nccl_processes: int = 0
+    pull_streams: int = 0
+    pull_min_rtt_us: int | None = None
+    pull_rtt_us: int | None = None
+    pull_window_bytes: int | None = None
 
 
 class BackoffLoop:
@@ -197,31 +225,31 @@ class BackoffLoop:
             self._thread.join(timeout)
             self._thread = None
 
-    def status(self) -> dict[str, Any]:
-        """Plain values for ``wagent status --json`` and the metrics."""
+    def status(self) -> BackoffStatus:
+        """What the loop says now, for ``wagent status`` and the daemon's STATUS= line."""
         with self._lock:
             d, r, st = self.decision, self.readings, self.streams
-        return {
-            "state": d.state if d else "full",
-            "rate_bps": d.rate_bps if d else self.controller.cap,
-            "reason": d.reason if d else "not started",
-            "since": d.since if d else None,
-            "events": self.events,
-            "events_by_signal": dict(self.controller.events_by_signal),
-            "ticks": self.ticks,
-            "cap_bps": self.controller.cap,
-            "floor_bps": self.controller.floor,
-            "apply_errors": self.apply_errors,
-            "last_error": self.last_error,
-            "training_connections": r.training_connections if r else 0,
-            "other_bps": max((x.other_bps for x in r.links), default=0.0) if r else 0.0,
-            "rdma_bps": max((x.bps for x in r.rdma), default=0.0) if r else 0.0,
-            "nccl_processes": len(r.nccl) if r else 0,
-            "pull_streams": st.streams if st else 0,
-            "pull_min_rtt_us": st.min_rtt_us if st else None,
-            "pull_rtt_us": st.rtt_us if st else None,
-            "pull_window_bytes": st.window if st else None,
-        }
+        return BackoffStatus(
+            state=d.state if d else "full",
+            rate_bps=d.rate_bps if d else self.controller.cap,
+            reason=d.reason if d else "not started",
+            since=d.since if d else None,
+            events=self.events,
+            events_by_signal=dict(self.controller.events_by_signal),
+            ticks=self.ticks,
+            cap_bps=self.controller.cap,
+            floor_bps=self.controller.floor,
+            apply_errors=self.apply_errors,
+            last_error=self.last_error,
+            training_connections=r.training_connections if r else 0,
+            other_bps=max((x.other_bps for x in r.links), default=0.0) if r else 0.0,
+            rdma_bps=max((x.bps for x in r.rdma), default=0.0) if r else 0.0,
+            nccl_processes=len(r.nccl) if r else 0,
+            pull_streams=st.streams if st else 0,
+            pull_min_rtt_us=st.min_rtt_us if st else None,
+            pull_rtt_us=st.rtt_us if st else None,
+            pull_window_bytes=st.window if st else None,
+        )
 
     def _note_error(self, text: str) -> None:
         if text != self.last_error:

@@ -72,7 +72,9 @@ bucket = TokenBucket(None)
 qdiscs = lambda: subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
 with around_pull(policy, bucket, sources=[Source("http://10.9.9.9:8080")]) as loop:
     time.sleep(0.5)
-    during = {"status": loop.status(), "rate": bucket.rate, "qdiscs": qdiscs()}
+    st = loop.status()
+    during = {"status": {"state": st.state, "rate_bps": st.rate_bps}, "rate": bucket.rate,
+              "qdiscs": qdiscs()}
 print(json.dumps({"during": during, "after": qdiscs()}))
 """
 

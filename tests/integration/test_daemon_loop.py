@@ -10,6 +10,7 @@ from agent.control import ControlError
 from agent.daemon import Daemon
 from agent.notify import Notifier
 from agent.policy.model import Policy
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.debian
 
@@ -21,6 +22,7 @@ class StandIn:
         self.alive = {"scheduler": True, "backoff": True}
         self.stopped = False
         self.loads = []
+        self.asked = []          # (when, what workers() answered): the daemon's every look
 
     def start(self, policy, controls):
         return {"policy": policy}
@@ -37,7 +39,9 @@ class StandIn:
         return {"policy": new}
 
     def workers(self, parts):
-        return dict(self.alive)
+        answer = dict(self.alive)
+        self.asked.append((time.monotonic(), answer))
+        return answer
 
     def error_counts(self, parts):
         return {"pull": 2}
@@ -46,6 +50,9 @@ class StandIn:
         pass
 
     def snapshot(self, parts, base):
+        return base
+
+    def tick_summary(self, parts, base):
         return base
 
     def export_metrics(self, parts, state):
@@ -62,22 +69,24 @@ def run_daemon(app, sent):
     d = Daemon(app, Notifier(sent.append), watchdog_interval=0.05)
     t = threading.Thread(target=d.run, args=(Policy(path="/p.yaml", sha256="a" * 64),))
     t.start()
-    deadline = time.monotonic() + 5
-    while "READY=1" not in sent and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_for(lambda: "READY=1" in sent)
     return d, t
 
 
 def test_watchdog_stops_when_a_worker_dies():
     app, sent = StandIn(), []
     d, t = run_daemon(app, sent)
+    interval = d.gate.interval
     try:
-        time.sleep(0.3)
-        assert sent.count("WATCHDOG=1") >= 3
+        assert wait_for(lambda: sent.count("WATCHDOG=1") >= 3)
         app.alive["scheduler"] = False
-        time.sleep(0.15)
+        # Once the main loop has been told, a ping decided on an earlier answer has gone out
+        # (one thread asks, pings, then asks again).
+        assert wait_for(lambda: any(not a["scheduler"] for _, a in app.asked))
         n = sent.count("WATCHDOG=1")
-        time.sleep(0.4)
+        seen = next(when for when, a in app.asked if not a["scheduler"])
+        # The loop keeps looking, for four watchdog intervals, and pings no more.
+        assert wait_for(lambda: app.asked[-1][0] > seen + 4 * interval)
         assert sent.count("WATCHDOG=1") == n      # withheld: systemd will restart us
         doc = d.status()
         assert doc["health"] == "degraded"

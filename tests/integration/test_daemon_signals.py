@@ -19,9 +19,9 @@ pytestmark = pytest.mark.debian
 ROOT = Path(__file__).resolve().parents[2]
 
 # Prints every notify message, STARTING and RECONCILE as start() and each reload begin (each
-# then blocks until a line comes on stdin), TICK for each status the daemon builds and HUP each
-# time the daemon's SIGHUP handler has run (the kernel merges a signal sent while one is pending,
-# so the test sends the next one only then).
+# then blocks until a line comes on stdin), TICK for each summary the daemon's tick reads and
+# HUP each time the daemon's SIGHUP handler has run (the kernel merges a signal sent while one
+# is pending, so the test sends the next one only then).
 SCRIPT = r"""
 import os, signal, sys, time
 from agent.daemon import Daemon
@@ -50,7 +50,7 @@ class App:
     def workers(self, parts): return {}
     def error_counts(self, parts): return {}
     def supervise(self, parts): pass
-    def snapshot(self, parts, base):
+    def tick_summary(self, parts, base):
         print("TICK", flush=True)
         return base
     def export_metrics(self, parts, state): pass

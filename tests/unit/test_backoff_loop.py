@@ -63,9 +63,10 @@ def test_both_sides_get_the_same_rate_at_the_same_tick(tmp_path):
     loop.tick()
     assert ceil.calls == [G, 10 * M]                      # unchanged: not sent again
     assert loop.events == 1
-    assert loop.status()["training_connections"] == 1
-    assert loop.status()["reason"].startswith("a TCP connection on training port 29500 (10.0.0.1")
-    assert loop.status()["events_by_signal"] == {"training_port": 1}
+    status = loop.status()
+    assert status.training_connections == 1 and status.events == 1
+    assert status.reason.startswith("a TCP connection on training port 29500 (10.0.0.1")
+    assert status.events_by_signal == {"training_port": 1}
 
 
 def test_failed_side_is_retried_and_the_other_still_moves(tmp_path):
@@ -174,7 +175,7 @@ def test_windows_move_first_then_the_bucket_then_the_ceil(tmp_path):
     loop.tick()
     assert order == [("windows", G), ("bucket", G), ("ceil", G)]
     status = loop.status()
-    assert (status["pull_streams"], status["pull_min_rtt_us"], status["pull_window_bytes"]) == \
+    assert (status.pull_streams, status.pull_min_rtt_us, status.pull_window_bytes) == \
         (8, 40, 10_000)
 
 

@@ -1,4 +1,5 @@
-"""The APScheduler glue: late jobs still run (misfire), window openings re-arm, UTC throughout.
+"""The APScheduler glue: late jobs still run (misfire), one-shot jobs re-armed from their own run
+are kept, UTC throughout.
 
 Runs with the venv's newest APScheduler 3.x and with Debian 12's 3.9.1 (`make test` runs the
 unit tests under both: PYTHONPATH=. /usr/bin/python3 -m pytest -p no:cacheprovider tests/unit).
@@ -9,11 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.policy.model import Window
 from agent.scheduler import Scheduler
 from tests.waiting import wait_for
 
@@ -88,32 +87,6 @@ def test_at_replaces_a_job_with_the_same_id(make_scheduler):
     s.at(later + 60, print, job_id="pull:m:v1")
     assert s.jobs() == {"pull:m:v1": pytest.approx(later + 60, abs=1e-3)}
     assert s.cancel("pull:m:v1") and not s.cancel("pull:m:v1")
-
-
-def test_window_open_now_fires_at_once_then_rearms_for_the_next_opening(make_scheduler):
-    now = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
-    # a daily window that opened a minute ago, lasting an hour
-    windows = (Window(f"{now.minute} {now.hour} * * *", 3600.0),)
-    s = make_scheduler()
-    fired = []
-    first = s.on_windows("window:training", windows, lambda: fired.append(1), clock=time.time)
-    assert first is not None and first <= time.time()
-    assert wait_for(lambda: fired == [1])
-    tomorrow = (now + timedelta(days=1)).timestamp()
-    assert wait_for(lambda: s.jobs().get("window:training") == tomorrow)
-    assert fired == [1]
-
-
-def test_window_closed_arms_the_opening_in_utc(make_scheduler):
-    s = make_scheduler()
-    # Weeknights at 22:00 UTC: cron's 1-5, i.e. mon-fri (APScheduler would read 1-5 as tue-sat).
-    windows = (Window("0 22 * * 1-5", 8 * 3600.0),)
-    saturday_noon = datetime(2030, 1, 5, 12, 0, tzinfo=UTC).timestamp()
-    first = s.on_windows("w", windows, lambda: None, clock=lambda: saturday_noon)
-    monday_22 = datetime(2030, 1, 7, 22, 0, tzinfo=UTC).timestamp()
-    assert first == monday_22 and s.jobs() == {"w": monday_22}
-    assert s.on_windows("w", (), lambda: None, clock=time.time) is None
-    assert s.jobs() == {}
 
 
 def test_every(make_scheduler):

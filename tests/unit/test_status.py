@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 from agent.status import (
     EXIT_DEGRADED,
@@ -14,6 +15,7 @@ from agent.status import (
     ShapedInterface,
     ShapingInfo,
     StoreInfo,
+    TickSummary,
     WindowInfo,
     exit_code,
     one_line,
@@ -73,10 +75,16 @@ def test_schema_fields_and_healthy():
 
 
 def test_one_line_like_the_issue_says():
-    assert one_line(to_json(busy_state(), NOW)) == \
+    busy = busy_state()
+    busy_line = TickSummary(pulls=busy.pulls, backoff_state="backed_off",
+                            backoff_reason="NCCL traffic")
+    assert one_line(busy_line) == \
         "pulling llama3-70b v3 41% at 480 Mbit/s; backed off: NCCL traffic"
-    idle = busy_state(pulls=(), backoff=BackoffInfo(enabled=True, state="full"))
-    assert one_line(to_json(idle, NOW)) == "idle"
+    assert one_line(TickSummary(backoff_state="full")) == "idle"
+    waiting = PullInfo("m", "v2", "waiting_window")
+    assert one_line(TickSummary(paused=True, pulls=(waiting,), backoff_state="ramping",
+                                reload_refused=True)) == \
+        "paused; waiting for window: m v2; ramping up; reload refused (see wagent status)"
 
 
 def test_refused_reload_is_degraded_and_shown():
@@ -110,27 +118,58 @@ def test_minimal_state_renders():
     assert doc["pulls"] == [] and doc["pulls"] is not None
 
 
+class TickApp:
+    """The Application's tick-side interface; counts the status documents built for it."""
+
+    def __init__(self, fail_summaries: int = 0) -> None:
+        self.fail_summaries = fail_summaries
+        self.snapshots = 0
+        self.summaries = 0
+
+    def workers(self, parts): return {"scheduler": True, "backoff": False}
+    def error_counts(self, parts): return {}
+
+    def snapshot(self, parts, base):       # the whole document: netlink dumps, a store scan
+        self.snapshots += 1
+        return base
+
+    def tick_summary(self, parts, base):
+        self.summaries += 1
+        if self.summaries <= self.fail_summaries:
+            raise OSError("a part's state could not be read")
+        return replace(base, pulls=(PullInfo("m", "v1", "pulling", 1, 4, rate_bps=8e6),))
+
+
 def test_a_tick_that_failed_once_does_not_degrade_status_forever():
     from agent.daemon import Daemon
     from agent.notify import Notifier
 
-    class App:
-        calls = 0
-
-        def workers(self, parts): return {"scheduler": True}
-        def error_counts(self, parts): return {}
-
-        def snapshot(self, parts, base):
-            self.calls += 1
-            if self.calls == 1:
-                raise OSError("a part's state could not be read")
-            return base
-
-    d = Daemon(App(), Notifier(lambda _m: None), hard_exit=None)
+    d = Daemon(TickApp(fail_summaries=1), Notifier(lambda _m: None), hard_exit=None)
     d.parts = {}
     d.tick()
     assert d.status()["problems"] == [
-        "building the status failed: a part's state could not be read"]
-    d.tick()                            # it works again: healthy, the count stays
+        "worker thread 'backoff' is not running",
+        "reading the daemon's summary failed: a part's state could not be read"]
+    d.tick()                            # it works again: the count stays
     doc = d.status()
-    assert doc["health"] == "healthy" and doc["daemon"]["error_counts"] == {"status": 1}
+    assert doc["problems"] == ["worker thread 'backoff' is not running"]
+    assert doc["daemon"]["error_counts"] == {"status": 1}
+
+
+def test_the_tick_reads_the_summary_never_the_status_document(caplog):
+    """Every second: the workers and the STATUS= line from the parts' memory. The document
+    (netlink dumps of every tc class, a walk of the store) is built only when asked for."""
+    from agent.daemon import Daemon
+    from agent.notify import Notifier
+
+    app, sent = TickApp(), []
+    d = Daemon(app, Notifier(sent.append), hard_exit=None)
+    d.parts = {}
+    for _ in range(3):
+        d.tick()
+    assert (app.summaries, app.snapshots) == (3, 0)
+    assert sent == ["STATUS=pulling m v1 25% at 8 Mbit/s"]      # sent once: unchanged since
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "worker thread backoff died; withholding the watchdog so systemd restarts the daemon"]
+    d.status()                          # `wagent status`: the whole document, once
+    assert (app.summaries, app.snapshots) == (3, 1)
