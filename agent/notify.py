@@ -40,12 +40,20 @@ class WatchdogGate:
     """Decides when the main loop pings: every ``interval`` seconds, and only while every
     worker is alive. Pure; the clock is the caller's."""
 
+    # After a look that found a worker dead, the next look waits this long (at most an interval):
+    # a ping that stays due would otherwise make the main loop spin until systemd restarts it.
+    RECHECK = 1.0
+
     def __init__(self, interval: float | None) -> None:
         self.interval = interval
         self._last: float | None = None
+        self._withheld: float | None = None     # when a look last found a worker dead
 
     def due(self, now: float, workers_alive: bool) -> bool:
-        if self.interval is None or not workers_alive:
+        if self.interval is None:
+            return False
+        if not workers_alive:
+            self._withheld = now
             return False
         if self._last is not None and now - self._last < self.interval:
             return False
@@ -56,9 +64,10 @@ class WatchdogGate:
         """Seconds until the next ping is due, for the main loop's wait."""
         if self.interval is None:
             return None
-        if self._last is None:
-            return 0.0
-        return max(0.0, self._last + self.interval - now)
+        at = 0.0 if self._last is None else self._last + self.interval
+        if self._withheld is not None:
+            at = max(at, self._withheld + min(self.interval, self.RECHECK))
+        return max(0.0, at - now)
 
 
 def _sdnotify_sender() -> Callable[[str], None]:

@@ -24,6 +24,18 @@ def test_gate_pings_on_interval_only_while_workers_live():
     assert not WatchdogGate(None).due(0.0, True)
 
 
+def test_a_withheld_ping_is_looked_at_again_a_recheck_later_not_at_once():
+    """A ping withheld for a dead worker stays due: the main loop, which waits next_in(), must
+    not spin at 100% CPU until systemd restarts the daemon."""
+    g = WatchdogGate(10.0)
+    assert g.due(0.0, True)
+    assert not g.due(12.0, False)
+    assert g.next_in(12.0) == WatchdogGate.RECHECK
+    assert g.next_in(12.5) == WatchdogGate.RECHECK - 0.5
+    assert g.due(13.0, True)          # the worker is back (a reload): the ping goes out
+    assert g.next_in(13.0) == 10.0
+
+
 def test_sequence_and_status_dedup():
     sent = []
     n = Notifier(sent.append, monotonic=lambda: 12.5)
