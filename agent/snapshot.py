@@ -92,7 +92,7 @@ def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
     st = loop.status()
     events: list[BackoffEvent] = []
     prev = None
-    for a in list(loop.history):
+    for a in st.history:
         if a.state != prev:
             events.append(BackoffEvent(a.at + offset, a.state, a.reason, a.rate_bps))
         prev = a.state

@@ -88,6 +88,7 @@ class BackoffStatus:
     pull_min_rtt_us: int | None = None
     pull_rtt_us: int | None = None
     pull_window_bytes: int | None = None
+    history: tuple[Applied, ...] = ()   # the last HISTORY decisions applied, oldest first
 
 
 class BackoffLoop:
@@ -229,6 +230,7 @@ class BackoffLoop:
         """What the loop says now, for ``wagent status`` and the daemon's STATUS= line."""
         with self._lock:
             d, r, st = self.decision, self.readings, self.streams
+            history = tuple(self.history)
         return BackoffStatus(
             state=d.state if d else "full",
             rate_bps=d.rate_bps if d else self.controller.cap,
@@ -249,6 +251,7 @@ class BackoffLoop:
             pull_min_rtt_us=st.min_rtt_us if st else None,
             pull_rtt_us=st.rtt_us if st else None,
             pull_window_bytes=st.window if st else None,
+            history=history,
         )
 
     def _note_error(self, text: str) -> None:
