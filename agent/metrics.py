@@ -236,9 +236,9 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
 
 def _shaping(sh: ShapingInfo) -> Iterator[Metric]:
     g = GaugeMetricFamily
-    if sh.cap_bps is not None:
+    if sh.policy_ceil_bps is not None:
         yield g("wagent_shaping_cap_bytes_per_second", "The policy's cap (shaping.ceil) of "
-                "distribution traffic", value=sh.cap_bps / BITS_PER_BYTE)
+                "distribution traffic", value=sh.policy_ceil_bps / BITS_PER_BYTE)
     if sh.current_ceil_bps is not None:
         yield g("wagent_shaping_ceil_bytes_per_second", "The distribution class's ceil now "
                 "(the backoff loop moves it)", value=sh.current_ceil_bps / BITS_PER_BYTE)

@@ -79,7 +79,7 @@ def shaping_info(parts: Parts) -> ShapingInfo:
         error = None
     except Exception as e:
         interfaces, error = (), f"reading the tc counters failed: {e}"
-    return ShapingInfo(enabled=True, cap_bps=parts.policy.shaping.ceil,
+    return ShapingInfo(enabled=True, policy_ceil_bps=parts.policy.shaping.ceil,
                        current_ceil_bps=rt.ceil, interfaces=interfaces,
                        error=rt.error or error, notes=rt.notes)
 

@@ -81,7 +81,8 @@ class ShapedInterface:
 @dataclass(frozen=True)
 class ShapingInfo:
     enabled: bool = False
-    cap_bps: int | None = None          # policy's ceil for the distribution class
+    # the policy's shaping.ceil (its JSON key is "cap_bps", named so before schema 1 was fixed)
+    policy_ceil_bps: int | None = None
     current_ceil_bps: int | None = None  # what the backoff controller set last
     interfaces: tuple[ShapedInterface, ...] = ()
     error: str | None = None
@@ -265,7 +266,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "reloads": s.policy.reloads,
         },
         "shaping": {
-            "enabled": s.shaping.enabled, "cap_bps": s.shaping.cap_bps,
+            "enabled": s.shaping.enabled, "cap_bps": s.shaping.policy_ceil_bps,
             "current_ceil_bps": s.shaping.current_ceil_bps, "error": s.shaping.error,
             "notes": list(s.shaping.notes),
             "interfaces": [
@@ -370,7 +371,7 @@ def to_text(doc: Mapping[str, Any]) -> str:
                      "previous policy:")
         lines += [f"    {line}" for line in pol["last_error"].splitlines()]
     if sh["enabled"]:
-        lines.append(f"shaping:  cap {_rate(sh['cap_bps'])}, now {_rate(sh['current_ceil_bps'])}")
+        lines.append(f"shaping:  ceil {_rate(sh['cap_bps'])}, now {_rate(sh['current_ceil_bps'])}")
         for i in sh["interfaces"]:
             lines.append(f"  {i['name']} {i['direction']} on {i['device']}:")
             for c in i["classes"]:

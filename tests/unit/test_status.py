@@ -35,7 +35,7 @@ def busy_state(**over):
                       wave_delay=3600.0),
         policy=PolicyInfo(path="/etc/wagent/policy.yaml", sha256="ab" * 32, loaded_at=NOW - 60),
         shaping=ShapingInfo(
-            enabled=True, cap_bps=500_000_000, current_ceil_bps=10_000_000,
+            enabled=True, policy_ceil_bps=500_000_000, current_ceil_bps=10_000_000,
             interfaces=(ShapedInterface("eth0", "ingress", "wagent-ifb0", (
                 ClassCounters("distribution", "1:10", bytes=10**9, packets=700_000, drops=12,
                               overlimits=30, rate_bps=10**7, ceil_bps=10**7),
