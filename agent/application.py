@@ -80,7 +80,7 @@ def worker_deps(pulls: NodePulls) -> WorkerDeps:
     return WorkerDeps(clock=pulls.clock, resolve=pulls.resolve, published=pulls.published,
                       schedule=pulls.schedule, window=pulls.window, have=pulls.have,
                       local_version=pulls.local_version, pull=pulls.pull, evict=pulls.evict,
-                      next_poll=pulls.next_poll, ready=pulls.ready,
+                      poll_after=pulls.poll_after, ready=pulls.ready,
                       stall_after=pulls.stall_after)
 
 

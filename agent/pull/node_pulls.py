@@ -133,7 +133,7 @@ class NodePulls:
                 schedule.start_at(published, now, ident.node_id, ident.role, model.name,
                                   version, p))
 
-    def next_poll(self, model: Model, polled: float, interval: float) -> float:
+    def poll_after(self, model: Model, polled: float, interval: float) -> float:
         return schedule.poll_after(polled, self.identity.node_id, model.name, interval)
 
     def window(self, now: float) -> WindowState:

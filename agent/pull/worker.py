@@ -6,7 +6,7 @@ job is one :meth:`Worker.step`, which moves the model on as far as it can now an
 wants its next look; the job is then armed for that time:
 
 1. know the target version: the policy's, or ``{source}/{model}/latest`` polled at once at
-   start, then at this node's poll times (``WorkerDeps.next_poll``: every ``poll_interval``, at
+   start, then at this node's poll times (``WorkerDeps.poll_after``: every ``poll_interval``, at
    a phase hashed from the node's id, so the plan knows them too); a failed poll keeps the last
    answer;
 2. done if the store already has it (a version directory appears only once complete);
@@ -80,7 +80,7 @@ class WorkerDeps:
     evict: Callable[[], None]
     # (model, polled at, poll_interval) -> this node's next poll of the model's `latest`, the
     # first of its poll times after the poll at that time (agent.schedule.poll_after)
-    next_poll: Callable[[Model, float, float], float]
+    poll_after: Callable[[Model, float, float], float]
     # The version complete in the store for a model: made current (the pointer an inference
     # server loads), its hook run. Returns the hook's outcome for status, if one ran; raises
     # on failure (shown, retried at the next step).
@@ -451,10 +451,10 @@ class Worker:
         """Whether to poll ``latest`` now: at once after a start or a reload (a restarted
         daemon doesn't wait up to an interval), then once one of this node's poll times has
         come since the last poll."""
-        return st.resolved_at is None or self._next_poll(model, st.resolved_at) <= now
+        return st.resolved_at is None or self._poll_after(model, st.resolved_at) <= now
 
-    def _next_poll(self, model: Model, polled: float) -> float:
-        return self.deps.next_poll(model, polled, self.policy.poll_interval)
+    def _poll_after(self, model: Model, polled: float) -> float:
+        return self.deps.poll_after(model, polled, self.policy.poll_interval)
 
     def _until_poll(self, model: Model, st: _ModelState, now: float) -> float:
         """Seconds until the model's next look: its next poll time (a pinned model, which
@@ -463,7 +463,7 @@ class Worker:
         interval = self.policy.poll_interval
         if model.version != "latest" or st.resolved_at is None:
             return max(interval, MIN_POLL_WAIT)
-        wait = max(0.0, self._next_poll(model, st.resolved_at) - now)
+        wait = max(0.0, self._poll_after(model, st.resolved_at) - now)
         return max(wait, MIN_POLL_WAIT) if interval < MIN_POLL_WAIT else wait
 
     # -- state ----------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
             local_version=lambda m: None,
             pull=pull,
             evict=lambda: None,
-            next_poll=lambda m, polled, interval: polled + interval)
+            poll_after=lambda m, polled, interval: polled + interval)
         puller = Worker(Policy(models=(Model("a"), Model("b")), sources=tuple(sources),
                                poll_interval=300.0), deps)
         jobs = Scheduler()

@@ -220,7 +220,7 @@ def test_the_worker_runs_on_node_pulls_with_the_real_schedule(origin, tmp_path):
         pulls = node(tmp_path, srv.url, clock=clock)
         deps = worker_deps(pulls)
         for name in ("resolve", "published", "schedule", "window", "have", "local_version",
-                     "pull", "evict", "next_poll", "ready", "stall_after"):
+                     "pull", "evict", "poll_after", "ready", "stall_after"):
             assert getattr(deps, name) == getattr(pulls, name), name
         assert deps.clock is clock
         worker = Worker(pulls.policy, deps)

@@ -70,7 +70,7 @@ class World:
             local_version=lambda m: None,
             pull=pull,
             evict=lambda: setattr(self, "evictions", self.evictions + 1),
-            next_poll=lambda m, polled, interval: poll_after(polled, self.node_id, m.name,
+            poll_after=lambda m, polled, interval: poll_after(polled, self.node_id, m.name,
                                                              interval),
         )
 

@@ -42,7 +42,7 @@ class World:
             clock=lambda: self.now, resolve=resolve, published=lambda m, v: 0.0,
             schedule=lambda m, v, pub, now: (0.0, 0.0), window=lambda now: WindowState(True),
             have=lambda m, v: False, local_version=lambda m: None, pull=pull,
-            evict=lambda: None, next_poll=lambda m, polled, interval: polled + interval,
+            evict=lambda: None, poll_after=lambda m, polled, interval: polled + interval,
             stall_after=lambda: LIMIT)
 
 
