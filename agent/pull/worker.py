@@ -13,8 +13,8 @@ wants its next look; the job is then armed for that time:
 3. wait for this node's start: its wave slot (published + wave + per-node offset), at once if
    learned later, moved into its role's windows (``agent.schedule.start_at``): the job's next
    run *is* the slot, or the window's opening;
-4. pull, with the shared token bucket and a stop event, once one of the ``concurrent_models``
-   slots is free (else ``queued``, woken when one frees); a job armed at the window's closing
+4. pull, with the shared token bucket and a stop event, once fewer than ``concurrent_models``
+   models pull (else ``queued``, woken when one ends); a job armed at the window's closing
    stops it there. After publish: the current pointer, eviction.
 
 Models don't wait for each other: a stuck source costs its own model a failure at the pull
@@ -132,7 +132,7 @@ class Worker:
         self._jobs: Jobs | None = None
         self._running: set[str] = set()       # models whose step runs now
         self._rerun: set[str] = set()         # woken while running: look again at once
-        self._pulling: set[str] = set()       # models holding one of the concurrent slots
+        self._pulling: set[str] = set()       # models pulling now (at most concurrent_models)
         self._stopped = False
         self._paused = False
         self.failures_total = 0               # failed pulls since start (metrics)
