@@ -34,8 +34,12 @@ from agent.manifest import (
 )
 from agent.policy.model import Pulls, Source
 from agent.pull import plan as planning
+from agent.pull.client import Client, url_for
+from agent.pull.connections import Connections
+from agent.pull.credentials import CredentialsError
+from agent.pull.deadlines import Timeouts
+from agent.pull.errors import FetchError
 from agent.pull.goodput import Floor
-from agent.pull.http import Client, CredentialsError, FetchError, Timeouts, redact, url_for
 from agent.pull.transfer import (
     FREE_SPACE_HINT,
     FileState,
@@ -45,6 +49,7 @@ from agent.pull.transfer import (
     StoreFull,
     Transfer,
 )
+from agent.redact import redact
 from agent.store import Store, StoreError, space
 from agent.store.partial import Claims, Partial, PartialBusy
 from agent.units import format_size
@@ -67,7 +72,7 @@ class PullOptions:
     chunk: int = 2**20                  # bytes read (and paid to the bucket) at a time
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
-    # Deadlines (see http.py): a response's headers within headers_deadline s of its request
+    # Deadlines (pull/deadlines.py): a response's headers within headers_deadline s of its request
     # (None: connect + read timeout); a manifest or `latest` body at small_body_rate bytes/s
     # at least, after one read timeout.
     headers_deadline: float | None = None
@@ -147,13 +152,14 @@ class PullResult:
 
 
 def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
-                  ask: Callable[[Client, Source], T]) -> T:
+                  ask: Callable[[Client, Source], T], connections: Connections | None) -> T:
     """``ask`` each source in order and return the first answer; a source that can't be used
     (credentials, HTTP, a bad document) adds its reason to the error if none answers."""
     errors = []
+    connections = connections if connections is not None else Connections()
     for source in sources:
         try:
-            client = Client(source, options.timeouts)
+            client = Client(source, options.timeouts, connections=connections)
         except CredentialsError as e:
             errors.append(str(e))
             continue
@@ -168,12 +174,15 @@ def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
 
 def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, *,
                    self_id: str | None = None,
-                   on_self: Callable[[str], None] | None = None) -> str:
+                   on_self: Callable[[str], None] | None = None,
+                   connections: Connections | None = None) -> str:
     """The version named by ``{source}/{model}/latest`` on the first source that answers.
 
     A ``latest`` that node ``self_id`` announced itself (``agent.announce``) is this node's own
     store read back through its nginx, whatever the policy calls that source: it can never name
-    a version this node lacks, so it is passed over, and ``on_self`` is told why."""
+    a version this node lacks, so it is passed over, and ``on_self`` is told why.
+
+    ``connections``: the caller's (``agent.pull.connections``); None: new ones for this call."""
     check_name("model", model)
 
     def ask(client: Client, source: Source) -> str:
@@ -188,13 +197,16 @@ def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, 
             raise ManifestError(why)
         return version
 
-    return _first_answer(sources, options, f"no source named the latest version of {model}", ask)
+    return _first_answer(sources, options, f"no source named the latest version of {model}", ask,
+                         connections)
 
 
 def fetch_manifest(sources: Sequence[Source], model: str, version: str,
-                   options: PullOptions) -> tuple[bytes, Manifest]:
+                   options: PullOptions, *, connections: Connections | None = None
+                   ) -> tuple[bytes, Manifest]:
     """The manifest of ``model``/``version`` (its bytes, parsed) from the first source that
-    serves a valid one naming that model and version."""
+    serves a valid one naming that model and version. ``connections`` as for
+    :func:`resolve_latest`."""
     def ask(client: Client, source: Source) -> tuple[bytes, Manifest]:
         url = url_for(source, model, version, MANIFEST_NAME)
         raw = client.get_small(url, MAX_MANIFEST_BYTES)
@@ -202,7 +214,8 @@ def fetch_manifest(sources: Sequence[Source], model: str, version: str,
         _check_names(m, model, version, redact(url))
         return raw, m
 
-    return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask)
+    return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask,
+                         connections)
 
 
 def _check_names(m: Manifest, model: str, version: str, where: str) -> None:
@@ -216,18 +229,23 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                  stop: threading.Event | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 manifest: tuple[bytes, Manifest] | None = None) -> PullResult:
+                 manifest: tuple[bytes, Manifest] | None = None,
+                 connections: Connections | None = None) -> PullResult:
     """``manifest``: the version's manifest (its bytes, parsed) as :func:`fetch_manifest`
-    returned it, when the caller has it already; else it is fetched here."""
+    returned it, when the caller has it already; else it is fetched here.
+
+    ``connections``: the watchdog and pull sockets' registry its requests use (the daemon's or
+    the CLI's, whose backoff loop clamps those sockets); None: new ones for this pull alone."""
     options = options or PullOptions()
     stop = stop or threading.Event()
+    connections = connections if connections is not None else Connections()
     started = clock()
     if not sources:
         raise PullError("no sources: give a URL or list sources in the policy")
     try:
         check_name("model", model)
         if version == "latest":
-            version = resolve_latest(sources, model, options)
+            version = resolve_latest(sources, model, options, connections=connections)
         check_name("version", version)
         store.check_writable(model, version)
         # Every start tidies what a crash or an abandoned version left (never what a pull holds).
@@ -240,12 +258,13 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                     return PullResult(model, version, 0, 0, m.size, len(m.files),
                                       clock() - started, store.version_dir(model, version))
                 if manifest is None:
-                    raw, m = fetch_manifest(sources, model, version, options)
+                    raw, m = fetch_manifest(sources, model, version, options,
+                                            connections=connections)
                 else:
                     raw, m = manifest
                     _check_names(m, model, version, "the manifest given")
                 return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
-                             wall_clock, started)
+                             wall_clock, started, connections)
         except _GaveBack as e:
             raise StoreFull(str(e)) from None    # given back already at this start: once
         except StoreFull as e:
@@ -271,7 +290,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           options: PullOptions, bucket: TokenBucket | None,
           progress: Callable[[PullProgress], None] | None, stop: threading.Event,
           clock: Callable[[], float], wall_clock: Callable[[], float],
-          started: float) -> PullResult:
+          started: float, connections: Connections) -> PullResult:
     blobs = store.blob_sizes()
     distinct = planning.distinct_files(m)
     # One descriptor claims every partial file of the pull; each file is opened only while a
@@ -318,7 +337,8 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     transfer = Transfer(sources, store, files,
                         planning.requests_for(p, settings.request_size, tail=2 * streams),
                         copies, settings, bucket, stop,
-                        on_file=lambda f, n: emit("file", f.path), clock=clock)
+                        on_file=lambda f, n: emit("file", f.path), clock=clock,
+                        connections=connections)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     emit_lock = threading.Lock()

@@ -16,6 +16,7 @@ from agent.identity import Identity
 from agent.manifest import published_ts
 from agent.policy.model import Model, Policy, Pulls, Source, StoreSettings
 from agent.pull import engine
+from agent.pull.connections import Connections
 from agent.pull.engine import PullOptions, StoreFull, pull_version
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
@@ -52,7 +53,8 @@ def node(tmp_path, url: str, *, role: str = "gpu", streams: int = 8,
     store = Store(policy.store.path)
     store.ensure()
     return NodePulls(policy, Identity("node-a", "host-a", role, "test"), store,
-                     TokenBucket(None), clock=clock or Clock(), pulling=pulling)
+                     TokenBucket(None), clock=clock or Clock(), pulling=pulling,
+                     connections=Connections())
 
 
 def pull(pulls: NodePulls, version: str = "v1") -> list[int]:
