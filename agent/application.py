@@ -35,6 +35,7 @@ from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
 from agent.policy import load_policy
 from agent.policy.model import Policy
+from agent.pull.connections import Connections
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker, WorkerDeps
 from agent.scheduler import Scheduler
@@ -105,6 +106,9 @@ class Application:
         self.role_override = role_override
         self.clock = clock            # wall clock: schedules, the store's times, status
         self.monotonic = monotonic    # intervals: the backoff loop's ticks, stop budgets
+        # The pulls' HTTP deadline watchdog and the pull sockets' registry, made once: the
+        # pulls' connections fill the registry, the backoff loop clamps what is in it.
+        self.connections = Connections()
 
     # -- policy -------------------------------------------------------------------------------
     def load(self) -> Policy:
@@ -144,9 +148,10 @@ class Application:
         bucket = TokenBucket(policy.pulls.rate)
         # Models pulling at once share the streams: how many do is the worker's to say.
         pulls = NodePulls(policy, self.identify(policy), store, bucket, clock=self.clock,
-                          pulling=lambda: worker.pulling())
+                          pulling=lambda: worker.pulling(), connections=self.connections)
         worker = Worker(policy, worker_deps(pulls))
-        shaping = ShapingRuntime(policy, bucket, clock=self.monotonic,
+        shaping = ShapingRuntime(policy, bucket, sockets=self.connections.sockets,
+                                 clock=self.monotonic,
                                  bytes_read=lambda: sum(worker.fetched_totals().values()))
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,

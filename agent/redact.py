@@ -1,6 +1,7 @@
 """URLs fit for messages, logs and status: no credentials, no signed-URL secrets.
 
-Kept apart from ``agent.pull.http`` (which imports requests) so that the policy checker can use it.
+Kept apart from ``agent.pull.client`` (which imports requests) so that the policy checker can use
+it.
 
 >>> redact("http://user:p@ss@[::1]:8080/m/v1/manifest.json?X-Amz-Signature=abc&part=1")
 'http://[::1]:8080/m/v1/manifest.json?X-Amz-Signature=***&part=1'

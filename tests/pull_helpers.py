@@ -27,6 +27,11 @@ import zlib
 from pathlib import Path
 
 from agent import manifest
+from agent.pull.connections import Connections
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 NGINX_CONF = """\
 daemon off;
@@ -448,7 +453,7 @@ def pull_json(url: str, store: str, streams: int = 8) -> dict:
     from agent.store import Store
     source, model, version = split_url(url)
     r = pull_version([Source(source)], model, version, Store(store),
-                     options=PullOptions(streams=streams))
+                     options=PullOptions(streams=streams), connections=CONNECTIONS)
     return {"seconds": r.seconds, "fetched": r.bytes_fetched, "reused": r.bytes_reused,
             "total": r.bytes_total, "path": str(r.path)}
 

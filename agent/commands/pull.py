@@ -19,6 +19,7 @@ from types import FrameType
 from agent.manifest import ManifestError, check_name
 from agent.policy import PolicyError, load_policy
 from agent.policy.model import Pulls, Source
+from agent.pull.connections import Connections
 from agent.pull.engine import (
     PullError,
     PullOptions,
@@ -85,12 +86,14 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # This pull's HTTP deadline watchdog and pull sockets' registry (the backoff loop's too).
+    connections = Connections()
     if args.policy:
-        return run_with_policy(args)
-    return run_pull(args, bucket=None)
+        return run_with_policy(args, connections)
+    return run_pull(args, bucket=None, connections=connections)
 
 
-def run_with_policy(args: argparse.Namespace) -> int:
+def run_with_policy(args: argparse.Namespace, connections: Connections) -> int:
     """``--policy``: the policy's shaping (the ingress cap) and backoff run beside the pull."""
 
     try:
@@ -106,16 +109,18 @@ def run_with_policy(args: argparse.Namespace) -> int:
         return 2
     bucket = TokenBucket(None)
     try:
-        with around_pull(policy, bucket, rate=rate, sources=[Source(source)]):
-            return run_pull(args, bucket)
+        with around_pull(policy, bucket, sockets=connections.sockets, rate=rate,
+                         sources=[Source(source)]):
+            return run_pull(args, bucket, connections=connections)
     except ShapingError as e:
         print(f"wagent pull: shaping: {e}", file=sys.stderr)
         return 1
 
 
 def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
-             stop: threading.Event | None = None) -> int:
-    """The pull itself; ``bucket`` lets a caller (the backoff loop) move the rate while it runs."""
+             stop: threading.Event | None = None, *, connections: Connections) -> int:
+    """The pull itself; ``bucket`` lets a caller (the backoff loop) move the rate while it runs;
+    ``connections``: the caller's, whose sockets that loop clamps."""
 
     try:
         source, model, version = split_url(args.url)
@@ -146,9 +151,10 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
     store = Store(args.store)
     try:
         if args.verify_files:
-            version = _drop_bad_blobs(sources, model, version, store, options)
+            version = _drop_bad_blobs(sources, model, version, store, options, connections)
         result = pull_version(sources, model, version, store, options=options,
-                              bucket=bucket, progress=reporter, stop=stop)
+                              bucket=bucket, progress=reporter, stop=stop,
+                              connections=connections)
         if args.current:
             pointers.set_current(store, result.model, result.version)
     except (PullError, StoreError, OSError) as e:
@@ -177,16 +183,16 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
 
 
 def _drop_bad_blobs(sources: list[Source], model: str, version: str, store: Store,
-                    options: PullOptions) -> str:
+                    options: PullOptions, connections: Connections) -> str:
     """``--verify-files`` distrusts what the store holds too: every blob the version would use
     that is there already is re-hashed first, and one that fails is removed, so that the pull
     fetches it again rather than report a damaged version installed. Returns the version
     (``latest`` resolved once, here, so the check and the pull see the same one)."""
     if version == "latest":
-        version = resolve_latest(sources, model, options)
+        version = resolve_latest(sources, model, options, connections=connections)
     m = store.version_manifest(model, version)
     if m is None:                         # a new version may still share blobs with others
-        _, m = fetch_manifest(sources, model, version, options)
+        _, m = fetch_manifest(sources, model, version, options, connections=connections)
     for p in drop_bad_blobs(store, m):
         print(f"wagent pull: {p.model}/{p.version}/{p.path}: {p.why}", file=sys.stderr)
     return version

@@ -21,6 +21,7 @@ from agent.commands import add_store_arguments, existing_store
 from agent.manifest import ManifestError
 from agent.policy import PolicyError, load_policy
 from agent.policy.model import Pulls, Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store, StoreError, pointers, space
 from agent.store.verify import Checker, Problem, versions
@@ -173,11 +174,13 @@ def _repair(args: argparse.Namespace, store: Store, broken: list[tuple[str, str]
                    f"({str(e).splitlines()[0]}): give --source URL")
             return [], [{"version": f"{m}/{v}", "why": why} for m, v in broken]
     options = PullOptions.from_policy(pulls)
+    connections = Connections()         # the repairs' watchdog and sockets (no backoff loop)
     repaired, unrepaired = [], []
     for model, version in broken:
         name = f"{model}/{version}"
         try:
-            pull_version(sources, model, version, store, options=options)
+            pull_version(sources, model, version, store, options=options,
+                         connections=connections)
         except (PullError, StoreError) as e:
             unrepaired.append({"version": name, "why": str(e)})
             continue

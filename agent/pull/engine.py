@@ -38,7 +38,10 @@ from agent.manifest import (
 )
 from agent.policy.model import Source
 from agent.pull import plan as planning
-from agent.pull.http import Client, CredentialsError, FetchError, redact, url_for
+from agent.pull.client import Client, url_for
+from agent.pull.connections import Connections
+from agent.pull.credentials import CredentialsError
+from agent.pull.errors import FetchError
 from agent.pull.options import PullOptions
 from agent.pull.transfer import (
     FREE_SPACE_HINT,
@@ -48,6 +51,7 @@ from agent.pull.transfer import (
     StoreFull,
     Transfer,
 )
+from agent.redact import redact
 from agent.status import PullProgress
 from agent.store import Store, StoreError, space
 from agent.store.partial import Claims, Partial, PartialBusy
@@ -76,13 +80,13 @@ class PullResult:
 
 
 def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
-                  ask: Callable[[Client, Source], T]) -> T:
+                  ask: Callable[[Client, Source], T], connections: Connections) -> T:
     """``ask`` each source in order and return the first answer; a source that can't be used
     (credentials, HTTP, a bad document) adds its reason to the error if none answers."""
     errors = []
     for source in sources:
         try:
-            client = Client(source, options.timeouts)
+            client = Client(source, options.timeouts, connections=connections)
         except CredentialsError as e:
             errors.append(str(e))
             continue
@@ -97,12 +101,15 @@ def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
 
 def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, *,
                    self_id: str | None = None,
-                   on_self: Callable[[str], None] | None = None) -> str:
+                   on_self: Callable[[str], None] | None = None,
+                   connections: Connections) -> str:
     """The version named by ``{source}/{model}/latest`` on the first source that answers.
 
     A ``latest`` that node ``self_id`` announced itself (``agent.announce``) is this node's own
     store read back through its nginx, whatever the policy calls that source: it can never name
-    a version this node lacks, so it is passed over, and ``on_self`` is told why."""
+    a version this node lacks, so it is passed over, and ``on_self`` is told why.
+
+    ``connections``: the caller's (``agent.pull.connections``): the daemon's, or the command's."""
     check_name("model", model)
 
     def ask(client: Client, source: Source) -> str:
@@ -117,13 +124,16 @@ def resolve_latest(sources: Sequence[Source], model: str, options: PullOptions, 
             raise ManifestError(why)
         return version
 
-    return _first_answer(sources, options, f"no source named the latest version of {model}", ask)
+    return _first_answer(sources, options, f"no source named the latest version of {model}", ask,
+                         connections)
 
 
 def fetch_manifest(sources: Sequence[Source], model: str, version: str,
-                   options: PullOptions) -> tuple[bytes, Manifest]:
+                   options: PullOptions, *, connections: Connections
+                   ) -> tuple[bytes, Manifest]:
     """The manifest of ``model``/``version`` (its bytes, parsed) from the first source that
-    serves a valid one naming that model and version."""
+    serves a valid one naming that model and version. ``connections`` as for
+    :func:`resolve_latest`."""
     def ask(client: Client, source: Source) -> tuple[bytes, Manifest]:
         url = url_for(source, model, version, MANIFEST_NAME)
         raw = client.get_small(url, MAX_MANIFEST_BYTES)
@@ -131,7 +141,8 @@ def fetch_manifest(sources: Sequence[Source], model: str, version: str,
         _check_names(m, model, version, redact(url))
         return raw, m
 
-    return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask)
+    return _first_answer(sources, options, f"no usable manifest for {model}/{version}", ask,
+                         connections)
 
 
 def _check_names(m: Manifest, model: str, version: str, where: str) -> None:
@@ -145,9 +156,13 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                  stop: threading.Event | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 manifest: tuple[bytes, Manifest] | None = None) -> PullResult:
+                 manifest: tuple[bytes, Manifest] | None = None,
+                 connections: Connections) -> PullResult:
     """``manifest``: the version's manifest (its bytes, parsed) as :func:`fetch_manifest`
-    returned it, when the caller has it already; else it is fetched here."""
+    returned it, when the caller has it already; else it is fetched here.
+
+    ``connections``: the watchdog and pull sockets' registry its requests use (the daemon's or
+    the CLI's, whose backoff loop clamps those sockets)."""
     options = options or PullOptions()
     stop = stop or threading.Event()
     started = clock()
@@ -156,7 +171,7 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
     try:
         check_name("model", model)
         if version == "latest":
-            version = resolve_latest(sources, model, options)
+            version = resolve_latest(sources, model, options, connections=connections)
         check_name("version", version)
         store.check_writable(model, version)
         # Every start tidies what a crash or an abandoned version left (never what a pull holds).
@@ -169,12 +184,13 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                     return PullResult(model, version, 0, 0, m.size, len(m.files),
                                       clock() - started, store.version_dir(model, version))
                 if manifest is None:
-                    raw, m = fetch_manifest(sources, model, version, options)
+                    raw, m = fetch_manifest(sources, model, version, options,
+                                            connections=connections)
                 else:
                     raw, m = manifest
                     _check_names(m, model, version, "the manifest given")
                 return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
-                             wall_clock, started)
+                             wall_clock, started, connections)
         except _GaveBack as e:
             raise StoreFull(str(e)) from None    # given back already at this start: once
         except StoreFull as e:
@@ -200,7 +216,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           options: PullOptions, bucket: TokenBucket | None,
           progress: Callable[[PullProgress], None] | None, stop: threading.Event,
           clock: Callable[[], float], wall_clock: Callable[[], float],
-          started: float) -> PullResult:
+          started: float, connections: Connections) -> PullResult:
     blobs = store.blob_sizes()
     distinct = planning.distinct_files(m)
     # One descriptor claims every partial file of the pull; each file is opened only while a
@@ -245,7 +261,8 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     transfer = Transfer(sources, store, m.model, m.version, files,
                         planning.requests_for(p, request_size, tail=2 * streams),
                         copies, options, bucket, stop,
-                        on_file=lambda f, n: emit("file", f.path), clock=clock)
+                        on_file=lambda f, n: emit("file", f.path), clock=clock,
+                        connections=connections)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     emit_lock = threading.Lock()

@@ -40,6 +40,7 @@ from agent.identity import Identity
 from agent.manifest import MAX_MANIFEST_BYTES, Manifest, published_ts
 from agent.policy.model import Model, Policy
 from agent.pull import engine
+from agent.pull.connections import Connections
 from agent.pull.options import PullOptions
 from agent.pull.transfer import RETRY_AFTER_CAP
 from agent.pull.worker import WindowState
@@ -55,10 +56,13 @@ SEEN = "seen.json"       # in the state directory: when this node first learned 
 
 class NodePulls:
     """The worker's functions for one node. ``pulling`` says how many models pull now (the
-    worker's count); ``clock`` is the wall clock. :meth:`update` follows a reload."""
+    worker's count); ``clock`` is the wall clock; ``connections`` the daemon's (its watchdog and
+    the pull sockets' registry its backoff loop clamps). :meth:`update` follows a reload."""
 
     def __init__(self, policy: Policy, identity: Identity, store: Store, bucket: TokenBucket, *,
-                 clock: Callable[[], float], pulling: Callable[[], int]) -> None:
+                 clock: Callable[[], float], pulling: Callable[[], int],
+                 connections: Connections) -> None:
+        self.connections = connections
         self.policy = policy
         self.identity = identity
         self.store = store
@@ -89,7 +93,8 @@ class NodePulls:
         """The version ``latest`` names (rule 1)."""
         sources = announce.latest_sources(self.policy.sources, self.cache_node)
         return engine.resolve_latest(sources, model.name, self.options(),
-                                     self_id=self.identity.node_id, on_self=self._own_latest)
+                                     self_id=self.identity.node_id, on_self=self._own_latest,
+                                     connections=self.connections)
 
     def _own_latest(self, why: str) -> None:
         with self._lock:
@@ -101,7 +106,7 @@ class NodePulls:
     def published(self, model: Model, version: str) -> float:
         """The version's publication time (rules 2 and 3)."""
         raw, manifest = engine.fetch_manifest(self.policy.sources, model.name, version,
-                                              self.options())
+                                              self.options(), connections=self.connections)
         with self._lock:
             self._manifests[model.name] = (version, raw, manifest)
         try:
@@ -184,7 +189,8 @@ class NodePulls:
             held = self._manifests.pop(model.name, None)
         fetched = held[1:] if held is not None and held[0] == version else None
         engine.pull_version(self.policy.sources, model.name, version, self.store, options=o,
-                            bucket=self.bucket, progress=progress, stop=stop, manifest=fetched)
+                            bucket=self.bucket, progress=progress, stop=stop, manifest=fetched,
+                            connections=self.connections)
         # The version is published and durable by now; the pull succeeded whatever happens in
         # the announcement.
         self.announce(model.name, version)

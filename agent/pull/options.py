@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.policy.model import Pulls
+from agent.pull.deadlines import Timeouts
 from agent.pull.goodput import Floor
-from agent.pull.http import Timeouts
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,9 @@ class PullOptions:
     chunk: int = 2**20                  # bytes read (and paid to the bucket) at a time
     connect_timeout: float = 10.0
     read_timeout: float = 30.0
-    # Deadlines (see http.py): a response's headers within headers_deadline s of its request
-    # (None: connect + read timeout); a manifest or `latest` body at small_body_rate bytes/s
-    # at least, after one read timeout.
+    # Deadlines (agent/pull/deadlines.py): a response's headers within headers_deadline s of
+    # its request (None: connect + read timeout); a manifest or `latest` body at
+    # small_body_rate bytes/s at least, after one read timeout.
     headers_deadline: float | None = None
     small_body_rate: float = 256 * 1024
     retries: int = 5

@@ -41,18 +41,14 @@ from dataclasses import dataclass
 from agent import hashing
 from agent.manifest import Piece
 from agent.policy.model import Source
+from agent.pull.client import Client, url_for
+from agent.pull.connections import Connections
+from agent.pull.credentials import CredentialsError
+from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Meter
-from agent.pull.http import (
-    ChangedError,
-    Client,
-    CredentialsError,
-    FetchError,
-    NoRangesError,
-    redact,
-    url_for,
-)
 from agent.pull.options import PullOptions
 from agent.pull.plan import Copy, RangeRequest
+from agent.redact import redact
 from agent.store import Store
 from agent.store.partial import Partial
 from agent.units import format_size
@@ -105,7 +101,8 @@ class Transfer:
                  copies: Sequence[tuple[str, Copy]], options: PullOptions,
                  bucket: TokenBucket | None, stop: threading.Event,
                  on_file: Callable[[FileState, int], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 connections: Connections) -> None:
         self.sources = list(sources)
         self.store = store
         self.model = model
@@ -118,6 +115,7 @@ class Transfer:
         self.stop = stop
         self.on_file = on_file
         self.clock = clock
+        self.connections = connections      # the watchdog and sockets' registry of its clients
         self.meters: set[Meter] = set()       # requests whose bodies are being read (under cond)
         # Sources whose ETags were seen to disagree (index -> what was seen): they are sent no
         # If-Range any more, their pieces' sha256 alone judge their bytes (under cond).
@@ -311,7 +309,8 @@ class Transfer:
                 client = clients.get(i)
                 if client is None:
                     # With the stop event: a stop cuts the request in flight at once.
-                    client = clients[i] = Client(self.sources[i], self.s.timeouts, self.stop)
+                    client = clients[i] = Client(self.sources[i], self.s.timeouts,
+                                                 connections=self.connections, stop=self.stop)
                 try:
                     with self.cond:
                         self.streams_busy += 1

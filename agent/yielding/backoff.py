@@ -10,10 +10,10 @@ a test drives ticks by hand with ``tick()``; ``start()`` runs them on a thread.
 
     loop = BackoffLoop(Controller(policy.backoff, cap_for(policy)),
                        Detectors.from_policy(policy.backoff, policy.shaping.interfaces),
-                       set_windows=REGISTRY.set_rate,
+                       set_windows=sockets.set_rate,
                        set_pull_rate=Knob(bucket.set_rate, lambda: bucket.rate),
                        set_kernel_ceil=Knob(shaper.set_ceil, lambda: shaper.ceil),
-                       distribution=shaper.counters, streams=REGISTRY.sample,
+                       distribution=shaper.counters, streams=sockets.sample,
                        tick=policy.backoff.tick)
     loop.start() ... loop.update(new_policy) ... loop.stop()
     loop.decision   # Decision(rate_bps=10000000, state="backed_off", reason="...", ...)

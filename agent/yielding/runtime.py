@@ -2,13 +2,16 @@
 
 One module for the daemon and ``wagent pull --policy`` alike:
 
-    runtime = ShapingRuntime(policy, bucket).start()   # caps applied (adopted), loop ticking
+    runtime = ShapingRuntime(policy, bucket, sockets=sockets).start()   # caps applied, loop on
     runtime.reconcile(new_policy)     # a reload: caps changed in place, loop retuned
     runtime.verify()                  # the daemon's periodic check that the kernel kept them
     runtime.ceil                      # the kernel's distribution ceil now (None: no shaping)
     runtime.stop()                    # the loop ends; the caps stay (a restart never opens them)
 
-    with around_pull(policy, bucket, rate=rate) as loop: ...   # one CLI pull
+    with around_pull(policy, bucket, sockets=sockets, rate=rate) as loop: ...   # one CLI pull
+
+``sockets``: the pull sockets' registry the pulls' connections fill (its owner's, made by
+``agent.pull.connections.Connections``; None: no windows to clamp).
 
 Who owns what: the kernel's distribution ceil is the Shaper's (``Shaper.ceil``, moved only by
 ``set_ceil`` and ``apply``), and status, metrics and reload read it there through ``ceil``; the
@@ -32,7 +35,7 @@ from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.link import Counters
 from agent.yielding.ratelimit import TokenBucket
-from agent.yielding.sockets import REGISTRY, PullSockets
+from agent.yielding.sockets import PullSockets
 from shaping import state
 from shaping.observed import ClassStats
 from shaping.plan import TcPlan
@@ -49,8 +52,8 @@ def _shaper(policy: Policy, sources: Sequence[Source]) -> Shaper:
 
 class ShapingRuntime:
     def __init__(self, policy: Policy, bucket: TokenBucket | None, *,
+                 sockets: PullSockets | None,
                  rate: int | None = None, sources: Sequence[Source] = (),
-                 sockets: PullSockets | None = REGISTRY,
                  bytes_read: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  make_shaper: ShaperFactory = _shaper) -> None:
@@ -250,8 +253,9 @@ def _pull_bytes(ifname: str, sockets: PullSockets | None, bytes_read: Callable[[
 
 
 @contextmanager
-def around_pull(policy: Policy, bucket: Any, *, rate: int | None = None,
-                sources: Sequence[Source] = ()) -> Iterator[BackoffLoop | None]:
+def around_pull(policy: Policy, bucket: Any, *, sockets: PullSockets | None,
+                rate: int | None = None, sources: Sequence[Source] = ()
+                ) -> Iterator[BackoffLoop | None]:
     """Shaping and backoff around one CLI pull (``wagent pull --policy P``).
 
     With ``shaping.enabled`` the policy's trees are applied first (wagent's existing tree is
@@ -263,7 +267,7 @@ def around_pull(policy: Policy, bucket: Any, *, rate: int | None = None,
     if policy.shaping.enabled:
         before = state.load(policy.state_dir)
         made = not any(i in before for i in policy.shaping.interfaces)
-    runtime = ShapingRuntime(policy, bucket, rate=rate, sources=sources)
+    runtime = ShapingRuntime(policy, bucket, sockets=sockets, rate=rate, sources=sources)
     runtime.start()
     try:
         yield runtime.loop

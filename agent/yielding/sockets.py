@@ -30,11 +30,14 @@ held within a round trip too, not after the ingress cap has dropped what crossed
 bottleneck; a reader that falls behind (GIL, hashing, a disk) costs throughput, which the
 budget covers. See docs/design.md, "Yielding to training traffic", for the measurements.
 
-The HTTP layer's connections (``agent.pull.http``, through ``registering``) put their sockets in
-``REGISTRY``; the backoff loop calls ``REGISTRY.set_rate`` and reads ``REGISTRY.sample()``.
+One registry per owner of pulls (the daemon's ``Application``, a ``wagent pull``), no process
+global: the pulls' connections (``agent.pull.connections``) call ``register`` with each socket
+once connected; the backoff loop, handed the same registry, calls ``set_rate`` and ``sample``.
 
-    REGISTRY.set_rate(10**7)        # every live pull socket: window for 10 Mbit/s
-    REGISTRY.sample()               # -> StreamsSample(streams=8, min_rtt_us=31, ...)
+    sockets = PullSockets()
+    sockets.register(sock)         # the HTTP layer, each new connection
+    sockets.set_rate(10**7)        # every live pull socket: window for 10 Mbit/s
+    sockets.sample()               # -> StreamsSample(streams=8, min_rtt_us=31, ...)
 
 The arithmetic is pure (``window_for``); the class is the thin adapter around setsockopt and
 getsockopt.
@@ -355,27 +358,3 @@ def _median(values: Iterable[int | None]) -> int | None:
     vals = sorted(v for v in values if v is not None)
     return vals[len(vals) // 2] if vals else None
 
-
-# The process's pull sockets: one pull engine per process (the daemon, or `wagent pull`).
-REGISTRY = PullSockets()
-
-
-_REGISTERING: dict[type, type] = {}
-
-
-def registering(connection_cls: type) -> type:
-    """A subclass of urllib3's ``HTTPConnection`` or ``HTTPSConnection`` (1.26 and 2.x alike)
-    whose sockets register in ``REGISTRY`` once connected (after TLS, behind a proxy too).
-    Taking the class keeps urllib3 out of this module's imports: the backoff loop imports it."""
-    if connection_cls not in _REGISTERING:
-
-        class Registered(connection_cls):  # type: ignore[misc, valid-type]
-            def connect(self) -> None:
-                super().connect()
-                sock = getattr(self, "sock", None)
-                if isinstance(sock, socket.socket):
-                    REGISTRY.register(sock)
-
-        Registered.__name__ = Registered.__qualname__ = f"Registered{connection_cls.__name__}"
-        _REGISTERING[connection_cls] = Registered
-    return _REGISTERING[connection_cls]

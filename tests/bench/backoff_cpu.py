@@ -37,6 +37,7 @@ DRIVER = r"""
 import json, sys, threading, time
 from agent.policy import load_policy
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullOptions, pull_version
 from agent.yielding.ratelimit import TokenBucket
 from agent.store import Store
@@ -71,17 +72,19 @@ policy = load_policy(policy_path)
 bucket = TokenBucket(None)
 stop = threading.Event()
 source = url.rsplit("/", 2)[0]
+connections = Connections()      # the pull's sockets, which the loop reads and clamps
 
 
 def pull():
     try:
         pull_version([Source(source)], model, "v1", Store(store), bucket=bucket, stop=stop,
-                     options=PullOptions(streams=8))
+                     options=PullOptions(streams=8), connections=connections)
     except Exception as e:  # stopped at the end, or finished: either is fine here
         result.setdefault("pull", type(e).__name__)
 
 
-with around_pull(policy, bucket, sources=[Source(source)]) as loop:
+with around_pull(policy, bucket, sockets=connections.sockets,
+                 sources=[Source(source)]) as loop:
     t = threading.Thread(target=pull, daemon=True)
     t.start()
     print("started", flush=True)

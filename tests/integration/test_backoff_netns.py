@@ -64,13 +64,15 @@ import json, subprocess, sys, time
 from agent.policy.model import Backoff, Policy, Shaping, Source
 from agent.yielding.ratelimit import TokenBucket
 from agent.yielding.runtime import around_pull
+from agent.yielding.sockets import PullSockets
 ifname, state = sys.argv[1], sys.argv[2]
 policy = Policy(shaping=Shaping(enabled=True, interfaces=(ifname,), link_rate=10**9,
                                 ceil=5 * 10**8),
                 backoff=Backoff(tick=0.1, nccl_processes=False), state_dir=state)
 bucket = TokenBucket(None)
 qdiscs = lambda: subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
-with around_pull(policy, bucket, sources=[Source("http://10.9.9.9:8080")]) as loop:
+with around_pull(policy, bucket, sockets=PullSockets(),
+                 sources=[Source("http://10.9.9.9:8080")]) as loop:
     time.sleep(0.5)
     st = loop.status()
     during = {"status": {"state": st.state, "rate_bps": st.rate_bps}, "rate": bucket.rate,

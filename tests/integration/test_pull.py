@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store
 from tests import modelgen
@@ -20,6 +21,10 @@ from tests.pull_helpers import (
     publish_dir,
     same_files,
 )
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 pytestmark = pytest.mark.debian
 
@@ -45,13 +50,15 @@ def shard_blobs_absent(store: Store, version_dir: Path) -> None:
 def test_pull_then_again_transfers_nothing_then_delta(origin, tmp_path):
     store = Store(tmp_path / "store")
     with LoopbackNginx(origin) as ng:
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         assert r.bytes_fetched == r.bytes_total
         same_files(r.path, origin / "m" / "v1")
         sent = ng.bytes_sent()
-        again = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        again = pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
         assert again.bytes_fetched == 0 and ng.bytes_sent() == sent
-        r2 = pull_version([Source(ng.url)], "m", "latest", store, options=FAST)
+        r2 = pull_version([Source(ng.url)], "m", "latest", store, options=FAST,
+                          connections=CONNECTIONS)
         assert r2.version == "v2"
         same_files(r2.path, origin / "m" / "v2")
         assert r2.bytes_reused > 0
@@ -75,12 +82,13 @@ def test_a_misbehaving_source_never_reaches_a_published_file(fault, origin, tmp_
     store = Store(tmp_path / "store")
     with FaultyServer(origin, fault) as bad:
         with pytest.raises(PullError, match=FAULT_MESSAGES[fault]):
-            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         assert bad.faults_done > 0
     shard_blobs_absent(store, origin / "m" / "v1")
     # With a mirror behind it, each bad piece is fetched from the mirror instead.
     with FaultyServer(origin, fault, times=3) as bad, LoopbackNginx(origin) as good:
-        r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store, options=FAST,
+                         connections=CONNECTIONS)
         assert bad.faults_done >= 1
     same_files(r.path, origin / "m" / "v1")
 
@@ -89,7 +97,7 @@ def test_bytes_beyond_the_range_never_land(origin, tmp_path):
     """A close-delimited body running past the range: only the range is read and verified."""
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "more_unframed") as bad:
-        r = pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(bad.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         assert bad.faults_done > 0
     same_files(r.path, origin / "m" / "v1")
 
@@ -102,7 +110,8 @@ def test_etag_change_mid_pull_keeps_the_verified_pieces(origin, tmp_path):
     one_piece = PullOptions(streams=1, request_size=1, retries=0, backoff_base=0.01)
     shard = "model-00001-of-00002.safetensors"
     with FaultyServer(origin, "etag_change", fault_on=shard, after=1, times=1) as bad:
-        r = pull_version([Source(bad.url)], "m", "v1", store, options=one_piece)
+        r = pull_version([Source(bad.url)], "m", "v1", store, options=one_piece,
+                         connections=CONNECTIONS)
         statuses = [status for path, _, status in bad.requests if path.endswith(shard)]
     assert statuses[:3] == [206, 200, 206]     # the second carried If-Range: refused, sent again
     assert 200 not in statuses[2:]             # and no If-Range to that source since
@@ -126,7 +135,8 @@ def test_bad_manifests_are_refused_before_writing(origin, tmp_path):
             manifest_path.write_text(text)
             store = Store(tmp_path / "store")
             with pytest.raises(PullError, match=msg):
-                pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+                pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
             assert not list(store.partial.iterdir()) and not list(store.blobs.iterdir())
     assert not (tmp_path / "evil").exists()
 
@@ -138,17 +148,17 @@ def test_a_symlink_in_the_store_is_refused(origin, tmp_path):
     elsewhere.mkdir()
     os.symlink(elsewhere, store.models / "m")
     with LoopbackNginx(origin) as ng, pytest.raises(PullError, match="symlink"):
-        pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
     assert os.listdir(elsewhere) == [] and os.listdir(store.partial) == []
 
 
 def test_a_store_served_by_nginx_is_an_origin(origin, tmp_path):
     cache = Store(tmp_path / "cache")
     with LoopbackNginx(origin) as ng:
-        pull_version([Source(ng.url)], "m", "v1", cache, options=FAST)
+        pull_version([Source(ng.url)], "m", "v1", cache, options=FAST, connections=CONNECTIONS)
     node = Store(tmp_path / "node")
     with LoopbackNginx(cache.models) as ng:
-        r = pull_version([Source(ng.url)], "m", "v1", node, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", node, options=FAST, connections=CONNECTIONS)
         assert ng.bytes_sent() > r.bytes_total
     same_files(r.path, origin / "m" / "v1")
 
@@ -159,11 +169,11 @@ def test_mirror_after_a_dead_source_and_credentials(origin, tmp_path):
     store = Store(tmp_path / "store")
     with FaultyServer(origin, auth="Bearer s3cr3t-token") as srv:
         with pytest.raises(PullError, match="HTTP 401") as e:
-            pull_version([Source(srv.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(srv.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         assert "s3cr3t" not in str(e.value)
         dead = Source("http://127.0.0.1:9")            # nothing listens on the discard port
         r = pull_version([dead, Source(srv.url, credentials=str(creds))], "m", "v1", store,
-                         options=FAST)
+                         options=FAST, connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
 
 
@@ -176,11 +186,13 @@ def test_full_disk_fails_clearly_then_resumes(origin, tmp_path):
         store = Store(mnt / "store")
         with LoopbackNginx(origin) as ng:
             with pytest.raises(PullError, match="no space left in the store"):
-                pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+                pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
             assert store.installed("m", "v1") is None
             assert not store.version_dir("m", "v1").exists()
             subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
-            r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+            r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
             same_files(r.path, origin / "m" / "v1")
             assert not list(store.partial.iterdir())
     finally:
@@ -233,16 +245,17 @@ def test_tls_is_verified_and_a_ca_bundle_makes_it_work(origin, tmp_path):
     store = Store(tmp_path / "store")
     with LoopbackNginx(origin, tls=True) as ng:
         with pytest.raises(PullError, match="TLS verification failed"):
-            pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         r = pull_version([Source(ng.url, ca_bundle=ng.ca_bundle)], "m", "v1", store,
-                         options=FAST)
+                         options=FAST, connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
 
 
 def test_a_source_behind_an_http_proxy(origin, tmp_path):
     store = Store(tmp_path / "store")
     with LoopbackNginx(origin) as ng, LoopbackNginx(tmp_path, forward_proxy=True) as proxy:
-        r = pull_version([Source(ng.url, proxy=proxy.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url, proxy=proxy.url)], "m", "v1", store, options=FAST,
+                         connections=CONNECTIONS)
         assert proxy.bytes_sent() >= r.bytes_total
     same_files(r.path, origin / "m" / "v1")
 
@@ -253,12 +266,13 @@ def test_a_source_that_ignores_range_is_dropped_on_its_first_200(origin, tmp_pat
     opts = PullOptions(streams=2, retries=3, backoff_base=0.01, read_timeout=5)
     with FaultyServer(origin, "full_200") as bad:
         with pytest.raises(PullError, match="ignores Range") as e:
-            pull_version([Source(bad.url)], "m", "v1", store, options=opts)
+            pull_version([Source(bad.url)], "m", "v1", store, options=opts, connections=CONNECTIONS)
         assert str(e.value).count("ignores Range") <= 2          # once per stream at most
         assert bad.faults_done <= 2 * opts.streams
     caplog.clear()
     with FaultyServer(origin, "full_200") as bad, LoopbackNginx(origin) as good:
-        r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store, options=opts)
+        r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store, options=opts,
+                         connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
     assert sum("ignores Range" in m for m in caplog.messages) == 1
 
@@ -270,6 +284,7 @@ def test_a_whole_file_answer_is_taken_when_the_request_is_the_whole_file(tmp_pat
     (d / "small.bin").write_bytes(b"s" * 3000)
     publish_dir(d, piece_size=4096)                     # one piece: one request, the whole file
     with FaultyServer(root, "full_200", fault_on=r"small\.bin$") as srv:
-        r = pull_version([Source(srv.url)], "m", "v1", Store(tmp_path / "store"), options=FAST)
+        r = pull_version([Source(srv.url)], "m", "v1", Store(tmp_path / "store"), options=FAST,
+                         connections=CONNECTIONS)
         assert srv.faults_done == 1
     same_files(r.path, d)

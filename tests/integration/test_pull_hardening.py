@@ -13,6 +13,7 @@ import pytest
 from agent import manifest
 from agent.blob_id import blob_id
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store
 from agent.yielding.ratelimit import TokenBucket
@@ -25,6 +26,10 @@ from tests.pull_helpers import (
     publish_dir,
     same_files,
 )
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 pytestmark = pytest.mark.debian
 
@@ -55,7 +60,7 @@ def test_an_empty_file_is_published_empty(tmp_path):
     publish_dir(d, piece_size=4096)
     store = Store(tmp_path / "store")
     with LoopbackNginx(root) as ng:
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
     assert (r.path / "empty.txt").read_bytes() == b""
     same_files(r.path, d)
 
@@ -64,7 +69,7 @@ def test_a_rotten_local_blob_is_never_copied_into_a_new_version(origin, tmp_path
     """Pieces copied from a local blob are verified like fetched ones; a bad one is fetched."""
     store = Store(tmp_path / "store")
     with LoopbackNginx(origin) as ng:
-        pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         # Rot a byte in the middle of a piece that v2 copies from a v1 blob.
         v1 = manifest.parse((origin / "m" / "v1" / "manifest.json").read_bytes())
         v2 = manifest.parse((origin / "m" / "v2" / "manifest.json").read_bytes())
@@ -80,7 +85,7 @@ def test_a_rotten_local_blob_is_never_copied_into_a_new_version(origin, tmp_path
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0xFF]))
-        r = pull_version([Source(ng.url)], "m", "v2", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v2", store, options=FAST, connections=CONNECTIONS)
     assert r.bytes_reused > 0
     same_files(r.path, origin / "m" / "v2")
 
@@ -99,11 +104,11 @@ def test_a_crash_while_landing_a_file_keeps_its_verified_pieces(origin, tmp_path
             mp.setattr(Store, "add_blob", crash)
             with pytest.raises(PullError, match="simulated crash"):
                 pull_version([Source(srv.url)], "m", "v1", store,
-                             options=PullOptions(streams=1, retries=0))
+                             options=PullOptions(streams=1, retries=0), connections=CONNECTIONS)
         assert landed
         first = {p for p, _, _ in srv.requests}
         srv.requests.clear()
-        r = pull_version([Source(srv.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(srv.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         again = [p for p, _, _ in srv.requests]
     crashed_path = next(f.name for f in (origin / "m" / "v1").iterdir()
                         if f.is_file() and f.name != "manifest.json"
@@ -117,7 +122,7 @@ def test_a_server_compressing_ranges_is_named(origin, tmp_path):
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "gzip") as bad:
         with pytest.raises(PullError, match="Content-Encoding"):
-            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
     assert not store.installed("m", "v1")
 
 
@@ -127,20 +132,22 @@ def test_a_body_that_stalls_times_out_and_moves_to_the_mirror(origin, tmp_path):
                         connect_timeout=2)
     with FaultyServer(origin, "stall", times=2) as slow, LoopbackNginx(origin) as good:
         started = time.monotonic()
-        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=quick)
+        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=quick,
+                         connections=CONNECTIONS)
         assert slow.faults_done >= 1
         assert time.monotonic() - started < 15
     same_files(r.path, origin / "m" / "v1")
     with FaultyServer(origin, "stall") as slow:
         with pytest.raises(PullError, match="timed out"):
-            pull_version([Source(slow.url)], "m", "v2", store, options=quick)
+            pull_version([Source(slow.url)], "m", "v2", store, options=quick,
+                         connections=CONNECTIONS)
 
 
 def test_a_source_serving_another_size_of_the_file_is_named(origin, tmp_path):
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "other_total") as bad:
         with pytest.raises(PullError, match="serves another version of the file"):
-            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
 
 
 def test_credentials_in_a_source_url_stay_out_of_the_journal(origin, tmp_path):
@@ -148,7 +155,7 @@ def test_credentials_in_a_source_url_stay_out_of_the_journal(origin, tmp_path):
     with FaultyServer(origin, "error_500", after=1) as srv:
         url = srv.url.replace("http://", "http://user:s3cr3t@")
         with pytest.raises(PullError):
-            pull_version([Source(url)], "m", "v1", store, options=FAST)
+            pull_version([Source(url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
     journals = list(store.partial.glob("*.journal"))
     assert journals and all("s3cr3t" not in j.read_text() for j in journals)
 
@@ -167,7 +174,8 @@ def test_progress_calls_are_one_at_a_time_and_never_go_backwards(origin, tmp_pat
 
     with LoopbackNginx(origin) as ng:
         pull_version([Source(ng.url)], "m", "v1", store, progress=slow,
-                     options=PullOptions(streams=4, request_size=2**16, retries=0))
+                     options=PullOptions(streams=4, request_size=2**16, retries=0),
+                     connections=CONNECTIONS)
     assert not any(overlaps) and seen == sorted(seen) and len(seen) > 2
     # Bytes in flight are never negative, never more than what is left, and none at the end.
     assert all(0 <= f <= total - done for _, f, done, total in flights)
@@ -182,7 +190,8 @@ def test_a_progress_callback_that_raises_neither_breaks_nor_leaks_the_pull(origi
         raise RuntimeError("the terminal went away")
 
     with LoopbackNginx(origin) as ng:
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, progress=broken)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, progress=broken,
+                         connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
     assert threading.active_count() == before
 
@@ -198,7 +207,8 @@ def test_an_interrupt_in_the_progress_loop_leaves_no_stream_running(origin, tmp_
 
     with LoopbackNginx(origin) as ng, pytest.raises(KeyboardInterrupt):
         pull_version([Source(ng.url)], "m", "v1", store, progress=interrupt,
-                     bucket=TokenBucket(16_000_000), options=PullOptions(streams=2, retries=0))
+                     bucket=TokenBucket(16_000_000), options=PullOptions(streams=2, retries=0),
+                     connections=CONNECTIONS)
     assert not [t for t in threading.enumerate() if t.name.startswith("pull-")]
 
 
@@ -208,7 +218,8 @@ def test_two_pulls_of_one_version_at_once_leave_one_good_copy(origin, tmp_path):
 
     def pull():
         try:
-            results.append(pull_version([Source(ng.url)], "m", "v1", store, options=FAST))
+            results.append(pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                                        connections=CONNECTIONS))
         except PullError as e:
             results.append(str(e))
 
@@ -221,7 +232,8 @@ def test_two_pulls_of_one_version_at_once_leave_one_good_copy(origin, tmp_path):
         assert any(not isinstance(r, str) for r in results), results
         assert all("another pull is already fetching" in r for r in results
                    if isinstance(r, str)), results
-        again = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        again = pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
     assert again.bytes_fetched == 0
     same_files(again.path, origin / "m" / "v1")
 
@@ -235,7 +247,7 @@ def test_a_symlink_planted_as_a_partial_file_is_never_followed(origin, tmp_path)
     for ext in ("part", "journal"):
         os.symlink(victim, store.partial / f"{sha}.{ext}")
         with LoopbackNginx(origin) as ng, pytest.raises(PullError, match="symbolic link"):
-            pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         for left in store.partial.iterdir():
             left.unlink()
     assert victim.read_bytes() == b"precious"
@@ -252,7 +264,8 @@ def test_a_trickling_source_is_abandoned_for_the_mirror(origin, tmp_path, caplog
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "trickle") as slow, LoopbackNginx(origin) as good:
         started = time.monotonic()
-        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=TRICKLE)
+        r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store, options=TRICKLE,
+                         connections=CONNECTIONS)
         took = time.monotonic() - started
         assert slow.faults_done >= 1
     assert took < 10, took
@@ -267,7 +280,8 @@ def test_a_pull_whose_only_source_trickles_fails_in_bounded_time(origin, tmp_pat
         started = time.monotonic()
         with pytest.raises(PullError, match=r"sent at most [\d.]+ \w+/s for [\d.]+ s on "
                                             r"model-0000\d-of-00002\.safetensors bytes \d+\+\d+"):
-            pull_version([Source(slow.url)], "m", "v1", store, options=TRICKLE)
+            pull_version([Source(slow.url)], "m", "v1", store, options=TRICKLE,
+                         connections=CONNECTIONS)
         assert time.monotonic() - started < 10
     assert not store.installed("m", "v1")
 
@@ -281,7 +295,7 @@ def test_a_pull_held_slow_by_the_rate_limit_is_not_abandoned(origin, tmp_path):
     with LoopbackNginx(origin) as ng:
         started = time.monotonic()
         r = pull_version([Source(ng.url)], "m", "v1", store, options=strict,
-                         bucket=TokenBucket(32_000_000))
+                         bucket=TokenBucket(32_000_000), connections=CONNECTIONS)
         took = time.monotonic() - started
     assert took > 1.5, f"the bucket did not hold the pull ({took:.2f} s)"
     same_files(r.path, origin / "m" / "v1")

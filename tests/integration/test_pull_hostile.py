@@ -19,11 +19,16 @@ import pytest
 from agent import manifest
 from agent.policy.model import Model, Policy, Source
 from agent.pull import engine
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.pull.worker import WindowState, Worker, WorkerDeps
 from agent.scheduler import Scheduler
 from agent.store import Store
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir, same_files
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 pytestmark = pytest.mark.debian
 
@@ -59,12 +64,13 @@ def test_trickled_headers_are_cut_at_their_deadline(origin, tmp_path, target, fa
     with FaultyServer(origin, "slow_headers", fault_on=fault_on, **SLOW_HEADERS) as slow:
         started = time.monotonic()
         with pytest.raises(PullError, match="response headers did not arrive within 1 s"):
-            pull_version([Source(slow.url)], "m", target, store, options=FAST)
+            pull_version([Source(slow.url)], "m", target, store, options=FAST,
+                         connections=CONNECTIONS)
         assert time.monotonic() - started < 20
         assert slow.faults_done >= 1
         with LoopbackNginx(origin) as good:
             r = pull_version([Source(slow.url), Source(good.url)], "m", target, store,
-                             options=FAST)
+                             options=FAST, connections=CONNECTIONS)
     same_files(r.path, version_dir(origin))
 
 
@@ -75,11 +81,12 @@ def test_a_trickled_manifest_body_is_cut_at_its_deadline(origin, tmp_path):
         started = time.monotonic()
         with pytest.raises(PullError, match=r"manifest\.json: the body did not arrive within "
                                             r"5\.\d+ s"):
-            pull_version([Source(slow.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(slow.url)], "m", "v1", store, options=FAST,
+                         connections=CONNECTIONS)
         assert time.monotonic() - started < 20
         with LoopbackNginx(origin) as good:
             r = pull_version([Source(slow.url), Source(good.url)], "m", "v1", store,
-                             options=FAST)
+                             options=FAST, connections=CONNECTIONS)
     same_files(r.path, version_dir(origin))
 
 
@@ -131,7 +138,8 @@ def test_a_signal_ends_a_cli_pull_within_two_seconds(origin, tmp_path, case, fau
     if case == "streams":
         # The pieces verified before the stop are kept: the next pull fetches the rest only.
         with LoopbackNginx(origin) as good:
-            r = pull_version([Source(good.url)], "m", "v1", Store(store), options=FAST)
+            r = pull_version([Source(good.url)], "m", "v1", Store(store), options=FAST,
+                             connections=CONNECTIONS)
         assert 0 < r.bytes_fetched < r.bytes_total
         same_files(r.path, version_dir(origin))
 
@@ -162,7 +170,7 @@ def test_a_gzip_bomb_for_a_manifest_is_refused_in_bounded_memory(origin, tmp_pat
 def test_a_gzip_encoded_manifest_is_decoded(origin, tmp_path):
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "gzipped", fault_on=r"manifest\.json$") as srv:
-        r = pull_version([Source(srv.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(srv.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         assert srv.faults_done == 1
     same_files(r.path, version_dir(origin))
 
@@ -178,7 +186,8 @@ def test_a_source_whose_etags_flap_is_pulled_from_and_nothing_is_fetched_twice(o
     the ETag is only a hint, dropped for this source; no verified piece is ever discarded."""
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "etag_flap") as lb:
-        r = pull_version([Source(lb.url)], "m", "v1", store, options=ONE_PIECE)
+        r = pull_version([Source(lb.url)], "m", "v1", store, options=ONE_PIECE,
+                         connections=CONNECTIONS)
         assert lb.faults_done > 2
     assert r.bytes_fetched == r.bytes_total
     same_files(r.path, version_dir(origin))
@@ -194,9 +203,11 @@ def test_a_file_that_really_changed_is_named_and_its_verified_pieces_kept(origin
         with pytest.raises(PullError, match=rf"{SHARD}: bytes \d+\+ failed .* do not match "
                                             r"their sha256 in the manifest.*changed on the "
                                             r"source"):
-            pull_version([Source(bad.url)], "m", "v1", store, options=one_stream)
+            pull_version([Source(bad.url)], "m", "v1", store, options=one_stream,
+                         connections=CONNECTIONS)
     with LoopbackNginx(origin) as good:
-        r = pull_version([Source(good.url)], "m", "v1", store, options=one_stream)
+        r = pull_version([Source(good.url)], "m", "v1", store, options=one_stream,
+                         connections=CONNECTIONS)
         sent = good.bytes_sent(f"/m/v1/{SHARD}")
     assert 0 < sent < shard.stat().st_size          # its two verified pieces were kept
     same_files(r.path, version_dir(origin))
@@ -220,7 +231,8 @@ def test_credentials_in_a_source_url_reach_no_message_nor_log(origin, tmp_path, 
         url = srv.url.replace("http://", f"http://user:{PASSWORD}@")
         with pytest.raises(PullError, match="'..' part" if case == "manifest" else
                            "do not match their sha256") as e:
-            pull_version([Source(url)], "m", "v1", Store(tmp_path / "store"), options=FAST)
+            pull_version([Source(url)], "m", "v1", Store(tmp_path / "store"), options=FAST,
+                         connections=CONNECTIONS)
     assert srv.url in str(e.value)
     for text in (str(e.value), caplog.text):
         assert "s3cr3t" not in text and "user:" not in text
@@ -255,10 +267,10 @@ def test_a_manifest_that_breaks_the_parser_sends_the_pull_to_the_mirror(origin, 
     store = Store(tmp_path / "store")
     with FaultyServer(bad_root) as bad:
         with pytest.raises(PullError, match=message):
-            pull_version([Source(bad.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(bad.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         with LoopbackNginx(origin) as good:
             r = pull_version([Source(bad.url), Source(good.url)], "m", "v1", store,
-                             options=FAST)
+                             options=FAST, connections=CONNECTIONS)
     same_files(r.path, version_dir(origin))
 
 
@@ -277,11 +289,12 @@ def test_a_stuck_source_holds_up_no_other_model(tmp_path):
         sources = [Source(srv.url)]
 
         def pull(model, version, progress, stop):
-            engine.pull_version(sources, model.name, version, store, options=FAST, stop=stop)
+            engine.pull_version(sources, model.name, version, store, options=FAST, stop=stop,
+                                connections=CONNECTIONS)
 
         deps = WorkerDeps(
             clock=time.monotonic,
-            resolve=lambda m: engine.resolve_latest(sources, m.name, FAST),
+            resolve=lambda m: engine.resolve_latest(sources, m.name, FAST, connections=CONNECTIONS),
             published=lambda m, v: 0.0,
             schedule=lambda m, v, pub, now: (now, now),
             window=lambda now: WindowState(True),
@@ -313,7 +326,8 @@ def test_informational_responses_before_the_answer_are_skipped(origin, tmp_path)
     manifest and every range. Before, http.client took the 103 for the answer."""
     store = Store(tmp_path / "store")
     with FaultyServer(origin, "early_hints", fault_on=r".") as hinting:
-        r = pull_version([Source(hinting.url)], "m", "latest", store, options=FAST)
+        r = pull_version([Source(hinting.url)], "m", "latest", store, options=FAST,
+                         connections=CONNECTIONS)
         assert hinting.faults_done >= 4
     same_files(r.path, version_dir(origin))
 
@@ -325,7 +339,8 @@ def test_a_busy_source_is_asked_again_only_after_its_retry_after(origin, tmp_pat
     opts = PullOptions(streams=1, retries=5, backoff_base=0.01, read_timeout=5,
                        connect_timeout=2, headers_deadline=2.0)
     with FaultyServer(origin, "busy_503", fault_on=SHARD, times=2, retry_after=1) as busy:
-        r = pull_version([Source(busy.url)], "m", "v1", store, options=opts)
+        r = pull_version([Source(busy.url)], "m", "v1", store, options=opts,
+                         connections=CONNECTIONS)
         times = [t for p, t in busy.arrivals if p.endswith(SHARD)]
         statuses = [status for p, _, status in busy.requests if p.endswith(SHARD)]
     same_files(r.path, version_dir(origin))

@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from agent.pull.connections import Connections
 from agent.store import Store
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish_dir, same_files
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 pytestmark = pytest.mark.debian
 
@@ -47,7 +52,8 @@ url, store, streams = sys.argv[1], sys.argv[2], int(sys.argv[3])
 options = PullOptions(streams=streams, retries=0, backoff_base=0.01, read_timeout=5,
                       connect_timeout=2)
 try:
-    r = pull_version([Source(url)], "many", "v1", Store(store), options=options)
+    r = pull_version([Source(url)], "many", "v1", Store(store), options=options,
+                     connections=CONNECTIONS)
 except PullError as e:
     print(json.dumps({"error": str(e)}))
 else:
@@ -116,5 +122,5 @@ def test_a_pull_that_fails_to_start_takes_none_of_the_files_it_made(origin, tmp_
     with Claims(store.partial) as other, LoopbackNginx(origin) as ng:
         other.take(blob_id(m.files[-1]), "busy")
         with pytest.raises(PullError, match="another pull is already fetching"):
-            pull_version([Source(ng.url)], "many", "v1", store)
+            pull_version([Source(ng.url)], "many", "v1", store, connections=CONNECTIONS)
         assert leftovers(store) == []

@@ -6,11 +6,16 @@ import time
 import pytest
 
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullOptions, PullStopped, pull_version
 from agent.store import Store
 from agent.yielding.ratelimit import TokenBucket
 from tests.pull_helpers import LoopbackNginx, publish
 from tests.testbed import WAGENT
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 
 @pytest.mark.netns
@@ -46,7 +51,8 @@ def test_rate_cap_and_stop_keep_partials_for_the_next_pull(tmp_path):
     def run():
         try:
             pull_version([Source(ng.url)], "m", "v1", store, bucket=bucket, stop=stop,
-                         options=PullOptions(streams=2), progress=seen.append)
+                         options=PullOptions(streams=2), progress=seen.append,
+                         connections=CONNECTIONS)
         except PullStopped as e:
             result["stopped"] = e
 
@@ -65,7 +71,7 @@ def test_rate_cap_and_stop_keep_partials_for_the_next_pull(tmp_path):
         assert list(store.partial.glob("*.journal"))
         bucket.set_rate(None)
         r = pull_version([Source(ng.url)], "m", "v1", store, bucket=bucket,
-                         options=PullOptions(streams=2))
+                         options=PullOptions(streams=2), connections=CONNECTIONS)
         assert r.bytes_fetched < r.bytes_total              # the first pull's pieces were kept
         assert files_sent(ng) - sent == r.bytes_fetched
 

@@ -15,10 +15,15 @@ import pytest
 
 from agent import manifest
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, StoreFull, pull_version
 from agent.store import Store, space
 from agent.store.partial import Partial
 from tests.pull_helpers import LoopbackNginx, blob_of, publish, publish_dir, same_files
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 pytestmark = pytest.mark.debian
 
@@ -68,14 +73,14 @@ def test_a_manifest_claiming_a_real_files_sha256_never_lends_it_its_bytes(origin
     store = Store(tmp_path / "store")
     with LoopbackNginx(root) as ng:
         for v in ("v1", "v2"):
-            pull_version([Source(ng.url)], "evil", v, store, options=FAST)
+            pull_version([Source(ng.url)], "evil", v, store, options=FAST, connections=CONNECTIONS)
         opts = PullOptions(streams=2, retries=0, verify_files=verify_files)
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=opts)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=opts, connections=CONNECTIONS)
         same_files(r.path, origin / "m" / "v1")
         assert r.bytes_fetched > 0
         shutil.rmtree(store.models / "m")
         space.evict(store, keep={"evil": 0, "m": 0}, pins={}, max_size=None, now=time.time())
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=opts)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=opts, connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
 
 
@@ -97,8 +102,9 @@ def test_a_larger_claim_never_leaves_trailing_bytes_in_the_real_file(origin, tmp
     store = Store(tmp_path / "store")
     with LoopbackNginx(root) as ng:
         with pytest.raises(PullError):
-            pull_version([Source(ng.url)], "big", "v1", store, options=FAST)
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+            pull_version([Source(ng.url)], "big", "v1", store, options=FAST,
+                         connections=CONNECTIONS)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
     same_files(r.path, origin / "m" / "v1")
 
 
@@ -125,7 +131,8 @@ def test_the_store_has_explicit_modes_and_a_swapped_subdirectory_is_not_installe
     old = os.umask(0)
     try:
         with LoopbackNginx(root) as ng:
-            r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+            r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST,
+                             connections=CONNECTIONS)
     finally:
         os.umask(old)
     for path in [store.root, *store.root.rglob("*")]:
@@ -178,9 +185,10 @@ def test_a_manifest_claiming_more_than_the_disk_takes_nothing(origin, tmp_path):
         store.ensure()
         before = free(mnt)
         with pytest.raises(StoreFull, match="no space left in the store.*`wagent store gc`"):
-            pull_version([Source(ng.url)], "huge", "v1", store, options=FAST)
+            pull_version([Source(ng.url)], "huge", "v1", store, options=FAST,
+                         connections=CONNECTIONS)
         assert free(mnt) >= before - 2**20
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         same_files(r.path, origin / "m" / "v1")
 
 
@@ -210,7 +218,7 @@ def test_a_full_disk_gives_back_stale_partials_and_crash_leftovers(origin, tmp_p
         stale.close()
         leftover = store.model_dir("m") / ".tmp-v0-12345678"
         leftover.mkdir(parents=True)
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         same_files(r.path, origin / "m" / "v1")
         assert not leftover.exists()
         assert not list(store.partial.iterdir())
@@ -241,7 +249,7 @@ def test_a_published_version_is_durable_before_the_pull_returns(origin, tmp_path
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "rename", rename)
         monkeypatch.setattr(os, "replace", replace)
-        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST)
+        r = pull_version([Source(ng.url)], "m", "v1", store, options=FAST, connections=CONNECTIONS)
         monkeypatch.undo()
     blobs, model_dir, final = str(store.blobs), str(store.model_dir("m")), str(r.path)
 
@@ -271,6 +279,6 @@ def test_planning_is_linear_in_the_number_of_pieces(tmp_path):
         with LoopbackNginx(root) as ng:
             t = time.process_time()
             pull_version([Source(ng.url)], "m", "v1", Store(tmp_path / f"s{n}"),
-                         options=PullOptions(streams=1))
+                         options=PullOptions(streams=1), connections=CONNECTIONS)
             cpu[n] = time.process_time() - t
     assert cpu[16_000] < 20 * cpu[2_000], cpu

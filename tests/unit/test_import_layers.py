@@ -25,8 +25,8 @@ SHARED = frozenset({"agent.policy.model", "agent.units", "agent.durable"})
 # Third-party libraries that live behind one adapter each (DEVELOPERS.md).
 ADAPTERS = {
     "pyroute2": ("shaping.netlink",),
-    "requests": ("agent.pull",),
-    "urllib3": ("agent.pull",),
+    "requests": ("agent.pull.client", "agent.pull.urllib3_adapter"),
+    "urllib3": ("agent.pull.urllib3_adapter",),
     "apscheduler": ("agent.scheduler",),
 }
 

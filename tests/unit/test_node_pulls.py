@@ -16,12 +16,17 @@ from agent.identity import Identity
 from agent.manifest import published_ts
 from agent.policy.model import Model, Policy, Pulls, Source, StoreSettings
 from agent.pull import engine
+from agent.pull.connections import Connections
 from agent.pull.engine import PullOptions, StoreFull, pull_version
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
 from agent.store import Store, pointers, space
 from agent.yielding.ratelimit import TokenBucket
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
+
+# The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
+# from Application, the CLI's from its command).
+CONNECTIONS = Connections()
 
 MODEL = Model("m")
 
@@ -52,7 +57,8 @@ def node(tmp_path, url: str, *, role: str = "gpu", streams: int = 8,
     store = Store(policy.store.path)
     store.ensure()
     return NodePulls(policy, Identity("node-a", "host-a", role, "test"), store,
-                     TokenBucket(None), clock=clock or Clock(), pulling=pulling)
+                     TokenBucket(None), clock=clock or Clock(), pulling=pulling,
+                     connections=Connections())
 
 
 def pull(pulls: NodePulls, version: str = "v1") -> list[int]:
@@ -170,11 +176,12 @@ def test_the_manifest_read_for_the_publication_time_is_the_one_pulled(origin, tm
 def test_a_manifest_given_for_another_version_is_refused(origin, tmp_path):
     raw = (origin / "m" / "v1" / "manifest.json").read_bytes()
     with FaultyServer(origin) as srv:
-        fetched = engine.fetch_manifest([Source(srv.url)], "m", "v1", PullOptions())
+        fetched = engine.fetch_manifest([Source(srv.url)], "m", "v1", PullOptions(),
+                                        connections=CONNECTIONS)
         assert fetched[0] == raw
         with pytest.raises(engine.PullError, match="names m/v1, not m/v2"):
             pull_version([Source(srv.url)], "m", "v2", Store(tmp_path / "store"),
-                         manifest=fetched)
+                         manifest=fetched, connections=CONNECTIONS)
 
 
 # -- the store's cleaning at a pull start ---------------------------------------------------------
@@ -203,7 +210,8 @@ def test_a_pull_start_short_of_space_cleans_the_store_once(tmp_path, monkeypatch
     store = Store(tmp_path / "store")
     with LoopbackNginx(tmp_path / "o") as ng, \
             pytest.raises(StoreFull, match="no space left in the store"):
-        pull_version([Source(ng.url)], "huge", "v1", store, options=PullOptions(retries=0))
+        pull_version([Source(ng.url)], "huge", "v1", store, options=PullOptions(retries=0),
+                     connections=CONNECTIONS)
     assert calls == [False, True]        # the start's tidying, the space given back
     assert list(store.partial.glob("*.part")) == []
 

@@ -13,7 +13,6 @@ from agent.yielding.sockets import (
     PullSockets,
     buffer_for,
     parse_tcp_info,
-    registering,
     window_for,
 )
 
@@ -97,11 +96,12 @@ def test_tcp_info_of_an_old_kernel_is_partial():
     assert info.rtt_us == 0 and info.bytes_received is None and info.min_rtt_us is None
 
 
-def test_registering_connection_class_registers_once_connected(pair, monkeypatch):
-    from agent.yielding import sockets
+def test_a_connection_registers_in_its_owners_registry_once_connected(pair):
+    # The HTTP layer's connection class (agent.pull.urllib3_adapter), built per owner: each
+    # registry sees its own connections only (no process-wide registry).
+    from agent.pull.urllib3_adapter import connection_class
 
-    reg = PullSockets()
-    monkeypatch.setattr(sockets, "REGISTRY", reg)
+    mine, other = PullSockets(), PullSockets()
 
     class Conn:
         def __init__(self, sock):
@@ -111,10 +111,12 @@ def test_registering_connection_class_registers_once_connected(pair, monkeypatch
         def connect(self):
             self.sock = self._sock
 
-    cls = registering(Conn)
-    assert registering(Conn) is cls                   # one subclass per connection class
-    cls(pair[0]).connect()
-    assert reg.sample().streams == 1
+    connection_class(Conn, other.register)
+    conn = connection_class(Conn, mine.register)(pair[0])
+    assert mine.sample().streams == 0                 # not before it is connected
+    conn.connect()
+    assert mine.sample().streams == 1
+    assert other.sample().streams == 0
 
 
 def test_concurrent_registration_and_rate_changes(pair):

@@ -1,0 +1,239 @@
+"""Requests to one source: the pulls' HTTP client (with ``agent.pull.urllib3_adapter``, the only
+module that imports requests).
+
+One ``requests.Session`` per stream (connection reuse, no sharing across threads). TLS
+verification is always on, with an optional CA bundle per source; a per-source proxy; per-source
+credentials (``agent.pull.credentials``). Range responses are checked to the byte
+(``agent.pull.framing``), then their bodies counted to the byte here. The read timeout bounds
+every read of a body, so a server that stalls mid-body costs one timeout, then the piece moves to
+the next source; a server that trickles is caught by the request's goodput ``Meter``, whose
+watcher shuts the connection's socket down. Every request is watched for its deadlines and the
+client's stop event (``agent.pull.deadlines``) by its ``Connections``' watchdog, which knows the
+request's socket from the moment a pool hands the connection out, before any header arrives.
+
+    client = Client(source, Timeouts(), connections=connections, stop=stop)
+    raw = client.get_small(url_for(source, "llama", "v7", "manifest.json"), 64 << 20)
+    etag, chunks = client.ranged(url, offset, size, etag, chunk=1 << 20, total=file_size)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any
+from urllib.parse import quote
+
+import requests
+
+from agent.policy.model import Source
+from agent.pull import urllib3_adapter as adapter
+from agent.pull.connections import Connections
+from agent.pull.credentials import read_credentials
+from agent.pull.deadlines import Timeouts, Watch, shut_socket
+from agent.pull.errors import FetchError
+from agent.pull.framing import check_range, content_length, status_error
+from agent.pull.goodput import Meter
+from agent.pull.small_body import read_small
+from agent.redact import redact
+
+USER_AGENT = "wagent"
+
+
+def url_for(source: Source, *parts: str) -> str:
+    return source.url.rstrip("/") + "/" + "/".join(quote(p, safe="/") for p in parts)
+
+
+class Client:
+    """Requests to one source over one Session (one per stream: sessions aren't thread-safe).
+
+    ``connections``: the owner's watchdog and pull sockets' registry; ``stop``: once set, the
+    request in flight is cut within ``Watchdog.TICK``. Raises ``CredentialsError`` when the
+    source's credentials file can't be read."""
+
+    def __init__(self, source: Source, timeouts: Timeouts, *, connections: Connections,
+                 stop: threading.Event | None = None) -> None:
+        self.source = source
+        self.timeouts = timeouts
+        self.connections = connections
+        self.watchdog = connections.watchdog
+        self.stop = stop
+        self._watches: set[Watch] = set()
+        s = requests.Session()
+        s.mount("http://", connections.adapter())
+        s.mount("https://", connections.adapter())
+        s.headers["User-Agent"] = USER_AGENT
+        s.headers["Accept-Encoding"] = "identity"     # byte ranges of the file, never of a gzip
+        # Passed with every request: a session-level verify loses to REQUESTS_CA_BUNDLE and
+        # CURL_CA_BUNDLE from the environment (requests issue 3829).
+        self.verify: str | bool = source.ca_bundle or True
+        s.verify = self.verify
+        # Also per request: session-level proxies lose to *_PROXY from the environment.
+        self.proxies = {"http": source.proxy, "https": source.proxy} if source.proxy else None
+        if source.credentials:
+            s.headers["Authorization"] = read_credentials(source.credentials)
+        self.session = s
+
+    def close(self) -> None:
+        for w in self._watches:         # bodies dropped unread
+            self.watchdog.remove(w)
+        self._watches.clear()
+        self.session.close()
+
+    def _per_request(self) -> dict[str, Any]:
+        return {"verify": self.verify, "proxies": self.proxies,
+                "timeout": (self.timeouts.connect, self.timeouts.read)}
+
+    def _watch(self) -> Watch:
+        w = Watch(self.timeouts.headers_deadline, "the response headers", self.stop,
+                  self.watchdog.clock())
+        self._watches.add(w)
+        self.watchdog.add(w)
+        return w
+
+    def _unwatch(self, w: Watch) -> None:
+        self.watchdog.remove(w)
+        self._watches.discard(w)
+
+    def _get(self, url: str, w: Watch, headers: dict[str, str] | None = None
+             ) -> requests.Response:
+        """The response's headers, in time, or FetchError (``w`` stays watched)."""
+        try:
+            with self.connections.requesting(w):
+                r = self.session.get(url, headers=headers, stream=True, **self._per_request())
+        except requests.RequestException as e:
+            raise FetchError(f"{redact(url)}: {_failure(w, e)}") from None
+        if w.cut is not None:
+            # Cut while the headers came: http.client takes EOF for their end, so this looks
+            # like a response, with the headers that made it in time.
+            r.close()
+            raise FetchError(f"{redact(url)}: {w.why()}")
+        return r
+
+    def get_small(self, url: str, limit: int) -> bytes:
+        """A whole small document (manifest, ``latest``), at most ``limit`` bytes once decoded."""
+        w = self._watch()
+        try:
+            with self._get(url, w) as r:
+                if r.status_code != 200:
+                    raise status_error(r.status_code, r.reason, r.headers, url)
+                self.watchdog.renew(w, self.timeouts.small_body_deadline(
+                    min(limit, content_length(r.headers) or limit)), "the body")
+                try:
+                    body = read_small(lambda n: r.raw.read(n, decode_content=False),
+                                      r.headers.get("Content-Encoding"), url, limit)
+                except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    if w.cut is None and isinstance(e, FetchError):
+                        raise
+                    raise FetchError(f"{redact(url)}: {_failure(w, e)}") from None
+                if w.cut is not None:
+                    raise FetchError(f"{redact(url)}: {w.why()}")
+                return body
+        finally:
+            self._unwatch(w)
+
+    def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
+               total: int | None = None, meter: Meter | None = None
+               ) -> tuple[str | None, Generator[memoryview, None, None]]:
+        """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
+
+        ``total``: the file's size in the manifest; a Content-Range naming another size means
+        the source serves another file under that name.
+
+        With ``etag`` the request carries If-Range: a source whose file changed answers 200 with
+        the whole new file, which raises ChangedError (never mixed with the old bytes).
+
+        ``meter``: times each read of the body; its ``abort`` is set to break a blocked read.
+        """
+        headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
+        if etag and not etag.startswith("W/"):
+            headers["If-Range"] = etag
+        w = self._watch()
+        try:
+            r = self._get(url, w, headers)
+        except BaseException:
+            self._unwatch(w)
+            raise
+        # The body's pace is the goodput meter's to judge; the stop event still holds.
+        self.watchdog.renew(w, None, "the body")
+        try:
+            new_etag = check_range(r.status_code, r.headers, url, offset, size, etag, total,
+                                   r.reason)
+        except BaseException:
+            self._unwatch(w)
+            r.close()
+            raise
+        if meter is not None:
+            meter.abort = lambda: _shut_down(r)
+        return new_etag, self._body(r, url, size, chunk, meter, w)
+
+    def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
+              w: Watch) -> Generator[memoryview, None, None]:
+        """The body in chunks, each a view of one buffer reused for the next (use it at once).
+
+        The bytes are read straight from http.client's response into that buffer when urllib3
+        exposes it (``adapter.readinto_of``: no per-chunk allocation).
+        """
+        readinto = adapter.readinto_of(r.raw)
+        buf = memoryview(bytearray(min(chunk, size)))
+        complete = False
+        try:
+            left = size
+            while left:
+                want = min(len(buf), left)
+                if meter is not None:
+                    meter.begin(want)
+                try:
+                    if readinto is not None:
+                        n = readinto(buf[:want])
+                    else:
+                        data = r.raw.read(want, decode_content=False)
+                        n = len(data)
+                        buf[:n] = data
+                except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    if meter is not None and meter.abandoned:
+                        raise FetchError(meter.abandoned) from None
+                    raise FetchError(f"{redact(url)}: {_failure(w, e)} after {size - left} of "
+                                     f"{size} bytes") from None
+                if meter is not None:
+                    meter.end(n)
+                    if meter.abandoned:
+                        raise FetchError(meter.abandoned)
+                if w.cut is not None:
+                    raise FetchError(f"{redact(url)}: {w.why()} after {size - left} of {size} "
+                                     "bytes")
+                if not n:
+                    raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
+                                     "bytes")
+                left -= n
+                yield buf[:n]
+            if readinto is None:
+                # A body framed by chunks or by closing: make sure it ends where the range does.
+                try:
+                    extra = r.raw.read(1, decode_content=False)
+                except Exception:
+                    extra = b""
+                if extra:
+                    raise FetchError(f"{redact(url)}: sent more bytes than the {size} asked for")
+            complete = True
+        finally:
+            # Unwatched first: once back in the pool, the connection is the next request's.
+            self._unwatch(w)
+            if meter is not None and meter.close():
+                complete = False            # cut: its socket is shut down, never to be reused
+            if w.shut:
+                complete = False
+            if complete and readinto is not None and adapter.read_to_its_length(r.raw):
+                # Read to its Content-Length by http.client: the connection is clean for the
+                # next request; hand it back to the pool instead of closing it.
+                adapter.release(r.raw)
+            else:
+                r.close()
+
+
+def _shut_down(r: requests.Response) -> None:
+    """Break a read blocked on this response's connection (called from another thread)."""
+    shut_socket(adapter.socket_of(r.raw))
+
+
+def _failure(w: Watch, e: BaseException) -> str:
+    return w.why() if w.cut is not None else adapter.describe(e)
