@@ -46,6 +46,7 @@ def origin(tmp_path_factory):
 CHILD = """
 import json, sys
 from agent.policy.model import Source
+from agent.pull.connections import Connections
 from agent.pull.engine import PullError, PullOptions, pull_version
 from agent.store import Store
 url, store, streams = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -53,7 +54,7 @@ options = PullOptions(streams=streams, retries=0, backoff_base=0.01, read_timeou
                       connect_timeout=2)
 try:
     r = pull_version([Source(url)], "many", "v1", Store(store), options=options,
-                     connections=CONNECTIONS)
+                     connections=Connections())
 except PullError as e:
     print(json.dumps({"error": str(e)}))
 else:

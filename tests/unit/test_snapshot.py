@@ -8,6 +8,7 @@ from agent.application import worker_deps
 from agent.identity import Identity
 from agent.parts import Parts
 from agent.policy.model import Backoff, Model, Policy, Shaping, StoreSettings
+from agent.pull.connections import Connections
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
 from agent.scheduler import Scheduler
@@ -118,10 +119,12 @@ def test_the_summary_reads_memory_where_the_snapshot_dumps_tc_and_walks_the_stor
     store = ScanningStore(policy.store.path)
     store.ensure()
     bucket = TokenBucket(None)
+    connections = Connections()
     pulls = NodePulls(policy, Identity("node-a", "host-a", "gpu", "test"), store, bucket,
-                      clock=time.time, pulling=lambda: 0)
+                      clock=time.time, pulling=lambda: 0, connections=connections)
     worker = Worker(policy, worker_deps(pulls))
-    shaping = ShapingRuntime(policy, bucket, sockets=None, make_shaper=CountingShaper)
+    shaping = ShapingRuntime(policy, bucket, sockets=connections.sockets,
+                             make_shaper=CountingShaper)
     parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                   pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping)
     shaping.start()
