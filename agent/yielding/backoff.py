@@ -39,14 +39,14 @@ from agent.policy.model import Policy
 from agent.units import format_rate
 from agent.yielding.controller import Controller, Decision
 from agent.yielding.detect import Detectors
-from agent.yielding.detect.link import Counters
 from agent.yielding.detect.readings import Readings
 from agent.yielding.sockets import StreamsSample
+from shaping.observed import LinkCounters
 
 log = logging.getLogger("wagent.backoff")
 
 RateSink = Callable[[int], Any]
-DistributionSource = Callable[[], Mapping[str, Counters] | None]
+DistributionSource = Callable[[], Mapping[str, LinkCounters] | None]
 MIN_TICK = 0.01
 HISTORY = 600  # decisions kept for status and benchmarks (1 min at the default 100 ms)
 

@@ -33,11 +33,10 @@ from agent.policy.model import Policy, Source
 from agent.yielding.backoff import BackoffLoop, Knob, cap_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
-from agent.yielding.detect.link import Counters
 from agent.yielding.ratelimit import TokenBucket
 from agent.yielding.sockets import PullSockets
 from shaping import state
-from shaping.observed import ClassStats
+from shaping.observed import ClassStats, LinkCounters
 from shaping.plan import TcPlan
 from shaping.shaper import Shaper
 
@@ -164,7 +163,7 @@ class ShapingRuntime:
             if self.shaper is not None:
                 self.shaper.set_ceil(bits_per_s)
 
-    def counters(self) -> Mapping[str, Counters] | None:
+    def counters(self) -> Mapping[str, LinkCounters] | None:
         """The ingress hooks' exact counters of the distribution's own bytes."""
         with self.lock:
             return self.shaper.counters() if self.shaper is not None else None
@@ -214,7 +213,7 @@ class ShapingRuntime:
                 sockets.set_rate(None)
             return
         interfaces = tuple(policy.shaping.interfaces)
-        distribution: Callable[[], Mapping[str, Counters] | None] | None = None
+        distribution: Callable[[], Mapping[str, LinkCounters] | None] | None = None
         if self.shaper is not None:
             distribution = self.counters
         elif len(interfaces) == 1 and (sockets is not None or self.bytes_read is not None):
@@ -240,14 +239,14 @@ class ShapingRuntime:
 
 
 def _pull_bytes(ifname: str, sockets: PullSockets | None, bytes_read: Callable[[], int] | None
-                ) -> Callable[[], Mapping[str, Counters]]:
-    def read() -> Mapping[str, Counters]:
+                ) -> Callable[[], Mapping[str, LinkCounters]]:
+    def read() -> Mapping[str, LinkCounters]:
         # Payload bytes against the link's rx_bytes (headers included): the ACK share
         # allowance and the thresholds absorb the difference.
         if sockets is not None:
-            return {ifname: (sockets.sample().bytes_received, 0)}
+            return {ifname: LinkCounters(sockets.sample().bytes_received, 0)}
         assert bytes_read is not None
-        return {ifname: (int(bytes_read()), 0)}
+        return {ifname: LinkCounters(int(bytes_read()), 0)}
 
     return read
 

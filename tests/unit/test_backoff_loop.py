@@ -6,6 +6,7 @@ from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.link import LinkDetector
 from agent.yielding.detect.ports import ESTABLISHED, PortsDetector
+from shaping.observed import LinkCounters
 from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
 
 M = 10**6
@@ -51,8 +52,8 @@ def training(tmp_path, on):
 def test_both_sides_get_the_same_rate_at_the_same_tick(tmp_path):
     clock, ceil, pull = Clock(), Sink(), Sink()
     loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_kernel_ceil=ceil,
-                       set_pull_rate=pull, distribution=lambda: {"eth0": (0, 0)}, tick=0.1,
-                       clock=clock)
+                       set_pull_rate=pull, distribution=lambda: {"eth0": LinkCounters(0, 0)},
+                       tick=0.1, clock=clock)
     assert loop.tick().rate_bps == G
     assert ceil.calls == pull.calls == [G]
     training(tmp_path, True)
@@ -85,17 +86,17 @@ def test_failed_side_is_retried_and_the_other_still_moves(tmp_path):
 
 def test_other_traffic_on_the_link_counts_net_of_distribution(tmp_path):
     clock, pull = Clock(), Sink()
-    dist = {"eth0": (0, 0)}
+    dist = {"eth0": LinkCounters(0, 0)}
     loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_pull_rate=pull,
                        distribution=lambda: dist, clock=clock)
     loop.tick()
     # 1 s later: 120 MB in, all of it the distribution's: nothing else on the link.
     set_netdev(tmp_path, "eth0", 120 * M, 0)
-    dist = {"eth0": (120 * M, 0)}
+    dist = {"eth0": LinkCounters(120 * M, 0)}
     clock.t = 1.0
     assert loop.tick().state == "full"
     set_netdev(tmp_path, "eth0", 240 * M, 0)
-    dist = {"eth0": (140 * M, 0)}
+    dist = {"eth0": LinkCounters(140 * M, 0)}
     clock.t = 2.0
     d = loop.tick()
     assert d.state == "backed_off"

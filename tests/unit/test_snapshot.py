@@ -18,7 +18,7 @@ from agent.store import Store
 from agent.yielding.backoff import BackoffStatus
 from agent.yielding.ratelimit import TokenBucket
 from agent.yielding.runtime import ShapingRuntime
-from shaping.observed import ClassStats
+from shaping.observed import ClassStats, LinkCounters
 from shaping.plan import build_plan
 from shaping.shaper import ApplyReport
 from tests.backoff_helpers import set_netdev, write_tcp
@@ -81,7 +81,7 @@ class CountingShaper:
         return build_plan(self.shaping, self.sources)
 
     def counters(self):
-        return {"eth0": (0, 0)}
+        return {"eth0": LinkCounters(0, 0)}
 
     def set_ceil(self, bps):
         pass

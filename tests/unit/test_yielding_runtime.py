@@ -6,6 +6,7 @@ real one runs in tests/integration/test_shaping.py and test_daemon_reload.py."""
 from agent.policy.model import Backoff, Policy, Shaping
 from agent.yielding.runtime import ShapingRuntime
 from shaping.errors import ShapingError
+from shaping.observed import LinkCounters
 from shaping.plan import SetLinkUp
 from shaping.shaper import ApplyReport
 from tests.backoff_helpers import Bucket, Windows, set_netdev, tcp_line, write_tcp
@@ -45,7 +46,7 @@ class FakeShaper:
         self.live = bps
 
     def counters(self):
-        return {"eth0": (0, 0)}
+        return {"eth0": LinkCounters(0, 0)}
 
     def close(self):
         self.closed = True

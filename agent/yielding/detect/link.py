@@ -1,10 +1,10 @@
 """Other traffic on the node's interfaces: what arrived or left that is not distribution traffic.
 
 The distribution's counters come from the caller (only ``shaping/netlink.py`` may read tc
-statistics), cumulative per interface, as ``shaping.observed.LinkCounters`` or a plain
-``(rx, tx)`` pair. Without them the interface's whole traffic would count as "other", our own
-pulls included, so an interface with no distribution counter is not reported at all unless
-``count_all=True`` (a node that is not pulling).
+statistics), cumulative per interface, as ``shaping.observed.LinkCounters``. Without them the
+interface's whole traffic would count as "other", our own pulls included, so an interface with
+no distribution counter is not reported at all unless ``count_all=True`` (a node that is not
+pulling).
 
 Received: when the counters carry ``rx_seen`` (every byte the ingress hook counted; the
 redirects to the IFB count ``rx_dist`` at the same hook with the same accounting) the other
@@ -37,8 +37,8 @@ DEFAULT_EXCLUDE = ("lo", "ifb*", "wg-*")
 # Bytes of ACKs per byte of data received: one 66-byte ACK per one or two 1448-byte segments.
 ACK_SHARE = 0.05
 
-Counters = LinkCounters | tuple[int, int]
-Distribution = Mapping[str, Counters] | Callable[[], Mapping[str, Counters] | None]
+Distribution = (Mapping[str, LinkCounters]
+                | Callable[[], Mapping[str, LinkCounters] | None])
 
 
 class LinkDetector:
@@ -74,7 +74,7 @@ class LinkDetector:
     def sample(self, now: float, distribution: Distribution | None = None,
                ) -> tuple[LinkReading, ...]:
         """Rates over the last ``average_over`` seconds. ``distribution`` is the distribution
-        classes' cumulative ``{ifname: (rx, tx)}``, or a callable returning it: then the link's
+        classes' cumulative ``{ifname: LinkCounters}``, or a callable returning it: then the link's
         counters are read just before and just after it and averaged, so both are taken at one
         instant (at 1 Gbit/s, 10 ms between two reads is 100 Mbit/s of phantom traffic over a
         100 ms tick)."""
@@ -99,7 +99,7 @@ class LinkDetector:
                 self._history.pop(ifname, None)
                 continue  # vanished (or never there): a new one gets a fresh baseline
             ifindex, rx, tx = stats
-            dist = _counters(dist_now.get(ifname))
+            dist = dist_now.get(ifname)
             keys = [(ifname, "rx"), (ifname, "tx")]
             values = [rx, tx]
             if dist is not None:
@@ -151,11 +151,6 @@ class LinkDetector:
         return LinkReading(ifname, other, rx_bps, tx_bps, drx + dtx)
 
 
-def _counters(value: Counters | None) -> LinkCounters | None:
-    if value is None or isinstance(value, LinkCounters):
-        return value
-    rx, tx = value
-    return LinkCounters(rx, tx)
 
 
 def _midpoint(a: tuple[int, int, int] | None,
