@@ -7,13 +7,13 @@ the time it waits for the shared token bucket nor the time it spends writing and
 stream held to a low rate by the bucket is never taken for a slow source.
 
 Reads complete in chunks, and bytes inside a read still in flight can't be seen; so the judgement
-is an upper bound: the bytes of the reads that completed in the window plus the whole size of the
-read in flight. A source is abandoned only when even that bound stays under the floor; reads are
-capped (``Floor.max_read``) at half the floor's bytes per window so that the bound can fall
-under it.
+is an upper bound: the bytes of the reads that completed in the span averaged over, plus the whole
+size of the read in flight. A source is abandoned only when even that bound stays under the
+floor; reads are capped (``Floor.max_read``) at half the floor's bytes per span so that the bound
+can fall under it.
 
 >>> t = [0.0]
->>> m = Meter(Floor(min_rate=1000, window=10, grace=10), clock=lambda: t[0])
+>>> m = Meter(Floor(min_rate=1000, average_over=10, grace=10), clock=lambda: t[0])
 >>> m.begin(100); t[0] = 11.0
 >>> m.verdict()
 (10.0, 10.0)
@@ -30,18 +30,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Floor:
     min_rate: float            # bytes/s; 0 turns the floor off
-    window: float              # seconds of server time the rate is averaged over
+    average_over: float        # seconds of server time the rate is averaged over
     grace: float               # seconds of server time before any judgement
 
     @property
     def enabled(self) -> bool:
-        return self.min_rate > 0 and self.window > 0
+        return self.min_rate > 0 and self.average_over > 0
 
     def max_read(self, chunk: int) -> int:
         """The largest read worth asking for, given ``chunk`` (the usual one)."""
         if not self.enabled:
             return chunk
-        return max(1024, min(chunk, int(self.min_rate * self.window / 2)))
+        return max(1024, min(chunk, int(self.min_rate * self.average_over / 2)))
 
 
 class Meter:
@@ -60,7 +60,7 @@ class Meter:
         self._want = 0
         self._total = 0
         # (server time at the end of a read, bytes by then); the oldest sample precedes the
-        # window, so the bytes before the window's start are known.
+        # span averaged over, so the bytes before its start are known.
         self._samples: collections.deque[tuple[float, int]] = collections.deque([(0.0, 0)])
         self.abort: Callable[[], None] | None = None
         self.abandoned: str | None = None
@@ -78,7 +78,7 @@ class Meter:
             self._reading_since = None
             self._total += n
             self._samples.append((self._server_time, self._total))
-            start = self._server_time - self.floor.window
+            start = self._server_time - self.floor.average_over
             while len(self._samples) > 1 and self._samples[1][0] <= start:
                 self._samples.popleft()
 
@@ -110,7 +110,7 @@ class Meter:
                 in_flight = self._want
             if now < max(self.floor.grace, 1e-9):
                 return None
-            span = min(float(self.floor.window), now)
+            span = min(float(self.floor.average_over), now)
             start = now - span
             before = 0
             for t, total in self._samples:

@@ -160,7 +160,7 @@ class NodePulls:
         t = o.timeouts
         return 60.0 + t.headers_deadline + max(
             t.small_body_deadline(MAX_MANIFEST_BYTES),
-            o.goodput_grace + o.goodput_window + max(o.backoff_cap, RETRY_AFTER_CAP))
+            o.goodput_grace + o.goodput_average_over + max(o.backoff_cap, RETRY_AFTER_CAP))
 
     # -- the store -----------------------------------------------------------------------------
     def have(self, model: Model, version: str) -> bool:

@@ -42,14 +42,14 @@ class PullOptions:
     # True adds one sequential re-read and hash of each file (about doubling the CPU per GB).
     verify_files: bool = False
     # A floor on one request's goodput: a source whose body arrives slower than min_goodput
-    # bytes/s, averaged over goodput_window seconds (after goodput_grace seconds), is abandoned
-    # and the rest of the request retried on the next source. Only time spent waiting on the
-    # network counts, never time held by the rate limit. 0 turns it off. Reads are capped at
-    # min_goodput x goodput_window / 2 bytes (see goodput.py); the defaults keep that at 1 MiB,
-    # the usual chunk (smaller reads cost CPU). A stream under 64 KiB/s for half a minute is
-    # broken: 10 Mbit/s spread over 16 streams still gives each about 78 KB/s.
+    # bytes/s, averaged over goodput_average_over seconds (after goodput_grace seconds), is
+    # abandoned and the rest of the request retried on the next source. Only time spent waiting
+    # on the network counts, never time held by the rate limit. 0 turns it off. Reads are capped
+    # at min_goodput x goodput_average_over / 2 bytes (see goodput.py); the defaults keep that at
+    # 1 MiB, the usual chunk (smaller reads cost CPU). A stream under 64 KiB/s for half a minute
+    # is broken: 10 Mbit/s spread over 16 streams still gives each about 78 KB/s.
     min_goodput: int = 64 * 1024
-    goodput_window: float = 32.0
+    goodput_average_over: float = 32.0
     goodput_grace: float = 30.0
 
     @classmethod
@@ -66,4 +66,4 @@ class PullOptions:
 
     @property
     def floor(self) -> Floor:
-        return Floor(self.min_goodput, self.goodput_window, self.goodput_grace)
+        return Floor(self.min_goodput, self.goodput_average_over, self.goodput_grace)

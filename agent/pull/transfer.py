@@ -156,7 +156,7 @@ class Transfer:
         # Watch goodput several times per window, so a trickle is cut soon after it shows.
         step = interval
         if self.s.floor.enabled:
-            step = min(interval, max(0.05, self.s.floor.window / 5))
+            step = min(interval, max(0.05, self.s.floor.average_over / 5))
         per_tick = max(1, round(interval / step))
         try:
             rounds = 0

@@ -256,7 +256,7 @@ def test_a_symlink_planted_as_a_partial_file_is_never_followed(origin, tmp_path)
 
 # A goodput floor that a trickle of 16 bytes per 50 ms (320 B/s) stays far under, judged fast.
 TRICKLE = PullOptions(streams=2, retries=1, backoff_base=0.01, read_timeout=5, connect_timeout=2,
-                      min_goodput=64 * 1024, goodput_window=0.5, goodput_grace=0.5)
+                      min_goodput=64 * 1024, goodput_average_over=0.5, goodput_grace=0.5)
 
 
 def test_a_trickling_source_is_abandoned_for_the_mirror(origin, tmp_path, caplog):
@@ -291,7 +291,7 @@ def test_a_pull_held_slow_by_the_rate_limit_is_not_abandoned(origin, tmp_path):
     the floor (4 MB/s over 2 streams; floor 64 MiB/s per request) runs to the end."""
     store = Store(tmp_path / "store")
     strict = PullOptions(streams=2, retries=0, read_timeout=5, connect_timeout=2,
-                         min_goodput=64 * 2**20, goodput_window=0.3, goodput_grace=0.3)
+                         min_goodput=64 * 2**20, goodput_average_over=0.3, goodput_grace=0.3)
     with LoopbackNginx(origin) as ng:
         started = time.monotonic()
         r = pull_version([Source(ng.url)], "m", "v1", store, options=strict,

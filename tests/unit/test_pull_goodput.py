@@ -2,7 +2,7 @@
 
 from agent.pull.goodput import Floor, Meter
 
-FLOOR = Floor(min_rate=1000, window=10, grace=5)
+FLOOR = Floor(min_rate=1000, average_over=10, grace=5)
 
 
 def meter():
