@@ -3,6 +3,7 @@
 import time
 
 from agent.hooks import run_hook
+from tests.waiting import wait_for
 
 
 def test_a_hook_sees_the_event_and_reports_its_exit(tmp_path):
@@ -21,10 +22,13 @@ def test_a_hook_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     assert not ok and what == "killed after 0.5 s (on_ready_timeout)"
     assert time.monotonic() - started < 10
     child = int((tmp_path / "child").read_text())
-    time.sleep(0.2)
-    try:
-        with open(f"/proc/{child}/stat") as f:
-            assert f.read().split()[2] == "Z"        # gone but for its zombie entry
-    except FileNotFoundError:
-        pass
+
+    def gone() -> bool:          # gone, or gone but for its zombie entry
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    assert wait_for(gone)
 

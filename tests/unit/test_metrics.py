@@ -22,6 +22,7 @@ from agent.store import Store
 from agent.store.pointers import set_current
 from tests.unit.test_status import NOW, busy_state
 from tests.unit.test_store import put_version
+from tests.waiting import wait_for
 
 
 def scrape(state, fetched, tmp_path=None):
@@ -288,8 +289,8 @@ def test_slow_scrapers_cannot_take_the_daemons_descriptors(caplog, capfd, monkey
         # and a normal scrape was answered while they were all trying
         assert scrape.startswith(b"HTTP/1.1 200 ") and b"wagent_up 1.0" in scrape, scrape[:300]
         # past the deadline, every one of them is closed, however it trickles
-        time.sleep(deadline * 0.2 + 0.5)
-        assert [closed_by_server(s) for s in clients] == [True] * len(clients)
+        assert wait_for(lambda: all([closed_by_server(s) for s in clients]),
+                        timeout=deadline + 5), [closed_by_server(s) for s in clients]
         assert b"wagent_up 1.0" in get(m.port)
     finally:
         done.set()
