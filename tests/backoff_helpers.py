@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from agent.yielding.ratelimit import TokenBucket
-from agent.yielding.sockets import StreamsSample
+from agent.yielding.sockets import StreamsSample, most_in_flight
 
 
 def set_netdev(root: Path, ifname: str, rx: int, tx: int, ifindex: int = 2) -> None:
@@ -96,7 +96,10 @@ class Windows:
     """A stand-in for agent.yielding.sockets.PullSockets."""
 
     def __init__(self, received=0):
-        self.rates, self.budget_s, self.received = [], None, received
+        self.rates, self.budget_s, self.most, self.received = [], None, None, received
+
+    def configure(self, backoff):
+        self.budget_s, self.most = backoff.queue_budget, most_in_flight(backoff)
 
     def set_rate(self, bps):
         self.rates.append(bps)

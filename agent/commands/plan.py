@@ -21,7 +21,12 @@ over the whole fleet.
     wagent plan --policy policies/fleet.example.yaml --nodes 100000 \\
         --roles cache=0.001,inference=0.3,evaluation=0.1,training=0.6 --pull-time 10m
 
-Backoff (training traffic) is simulated by neither.
+Backoff (training traffic) is simulated by neither. With ``--bursts SIZE@EVERY``
+(``agent/commands/plan_bursts.py``): what the pull does to training bursts of that size and
+period, and how much of the gaps between them it uses, at each of ``--rates``: a model of one
+bottleneck running wagent's own controller with the policy's timing.
+
+    wagent plan --policy policy.yaml --bursts 24MB@500ms --rates 1gbit,100gbit
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from agent import units
-from agent.commands import DEFAULT_POLICY, add_duration_option
+from agent.commands import DEFAULT_POLICY, add_duration_option, plan_bursts
 from agent.fleet.report import fleet_document, format_fleet
 from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import TopologyError, load_topology
@@ -58,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="a fleet description (clusters, links, caches, origin egress): "
                           "simulate the links too; needs --size")
     how.add_argument("--nodes", type=int, help="how many nodes to simulate (schedule only)")
+    how.add_argument("--bursts", metavar="SIZE@EVERY",
+                     help="training bursts (e.g. 24MB@500ms): what the pull does to them, and "
+                          "to the gaps between them, at --rates (a model of one bottleneck)")
     p.add_argument("--roles", help="with --nodes: ROLE=SHARE,... (default: inference=0.3,"
                                    "evaluation=0.1,training=0.6 over the policy's waves; "
                                    "cache=... adds caches)")
@@ -80,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--per-node", action="store_true",
                    help="with --fleet: every node's slot, start, finish and source too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    plan_bursts.add_options(p)
     p.set_defaults(func=run)
 
 
@@ -90,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     except (PolicyError, TopologyError) as e:
         print(e, file=sys.stderr)
         return 1
+    if args.bursts:
+        return plan_bursts.run(args, policy)
     model = args.model or (policy.models[0].name if policy.models else "model")
     try:
         published = _parse_time(args.published) if args.published else datetime.now(UTC)

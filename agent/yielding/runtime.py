@@ -107,7 +107,7 @@ class ShapingRuntime:
         if self.loop is not None and new.backoff.enabled and same_shape:
             self.loop.update(new, self.rate)
             if self.sockets is not None:
-                self.sockets.budget_s = new.backoff.queue_budget
+                self.sockets.configure(new.backoff)
             return
         if self.loop is not None:
             self.loop.stop(2.0)
@@ -219,7 +219,7 @@ class ShapingRuntime:
         elif len(interfaces) == 1 and (sockets is not None or self.bytes_read is not None):
             distribution = _pull_bytes(interfaces[0], sockets, self.bytes_read)
         if sockets is not None:
-            sockets.budget_s = backoff.queue_budget
+            sockets.configure(backoff)
         detectors = Detectors.from_policy(backoff, interfaces, link=distribution is not None)
         loop = BackoffLoop(Controller(backoff, cap_for(policy, self.rate),
                                       link_bps=policy.shaping.link_rate),

@@ -57,6 +57,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from agent.policy.model import Backoff
 from agent.yielding.base_rtt import BaseRtts
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,11 @@ MIN_SEGMENTS = 4                 # never clamp below this many segments: fewer s
 # out: the receiver's own delay in sending ACKs (softirq, GRO batches, a busy CPU). See
 # docs/design.md, "Yielding to training traffic", for how it was chosen.
 QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
+# What a window granted still arrives after a cut (Linux never retracts one; 6.5's
+# tcp_shrink_window is off by default): a burst that starts then waits behind it. So the pull's
+# windows together stay under this share of the smallest burst the policy protects
+# (backoff.smallest_burst): a burst is slowed by at most about that much before the cut holds.
+BURST_SHARE = 0.03
 
 # struct tcp_info offsets (include/uapi/linux/tcp.h); fields past the end of what an older
 # kernel returns read as None.
@@ -124,20 +130,26 @@ class StreamsSample:
 
 
 def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
-               mss: int = DEFAULT_MSS, budget_s: float = QUEUE_BUDGET) -> int | None:
+               mss: int = DEFAULT_MSS, budget_s: float = QUEUE_BUDGET,
+               most: int | None = None) -> int | None:
     """Bytes each of ``streams`` sockets may have in flight so that together they carry
-    ``rate_bps`` over ``base_rtt_s`` while queueing at most ``budget_s`` of it; at least
-    ``MIN_SEGMENTS`` segments. None: no rate, no clamp.
+    ``rate_bps`` over ``base_rtt_s`` while queueing at most ``budget_s`` of it, and together
+    hold at most ``most`` bytes (``BURST_SHARE`` of the smallest burst); at least
+    ``MIN_SEGMENTS`` segments each. None: no rate, no clamp.
 
     >>> window_for(10**9, 50e-6, 8)       # 1 Gbit/s, 50 us: 1.05 ms x 125 MB/s over 8 streams
     16407
     >>> window_for(10**7, 50e-6, 8)       # 10 Mbit/s: the floor of four segments
     5792
+    >>> window_for(10**11, 50e-6, 8, most=120_000)   # 100 Gbit/s, 3% of a 4 MB burst in all
+    15000
     """
     if rate_bps is None:
         return None
     rtt = max(0.0, base_rtt_s or 0.0)
     total = rate_bps / 8 * (rtt + budget_s)
+    if most:
+        total = min(total, most)
     return max(MIN_SEGMENTS * mss, math.ceil(total / max(1, streams)))
 
 
@@ -159,8 +171,9 @@ class PullSockets:
 
     def __init__(self, budget_s: float = QUEUE_BUDGET,
                  clock: Callable[[], float] = time.monotonic,
-                 bases: BaseRtts | None = None) -> None:
+                 bases: BaseRtts | None = None, most: int | None = None) -> None:
         self.budget_s = budget_s
+        self.most = most                 # bytes the windows may hold together (None: no bound)
         self.clock = clock
         self.bases = bases if bases is not None else BaseRtts()
         self._lock = threading.Lock()
@@ -176,6 +189,13 @@ class PullSockets:
         self._dirty = False              # the windows must be worked out again (RTT, scale)
         self._applied_n = 0              # sockets the windows were last shared among
         self.errors = 0
+
+    def configure(self, backoff: Backoff) -> None:
+        """The policy's queue budget and smallest burst; the windows follow at the next sample."""
+        with self._lock:
+            self.budget_s = backoff.queue_budget
+            self.most = most_in_flight(backoff)
+            self._dirty = True
 
     # -- the HTTP layer's side ---------------------------------------------------------------
     def register(self, sock: socket.socket) -> None:
@@ -293,7 +313,8 @@ class PullSockets:
             if entry.base is None:
                 self._rebase_locked(entry, now)
             # Each socket carries its share of the rate over its own path's round trip.
-            window = window_for(self._rate, entry.base, len(live), budget_s=self.budget_s)
+            window = window_for(self._rate, entry.base, len(live), budget_s=self.budget_s,
+                                most=self.most)
             if window is not None:
                 largest = max(largest or 0, window)
             # No rate: the window autotuning would reach at most (a fixed buffer can't be
@@ -310,7 +331,13 @@ class PullSockets:
                     log.warning("can't clamp a pull socket's receive window: %s", e)
                 continue
             entry.applied = want
-        self._window = largest if live else window_for(self._rate, None, 0, budget_s=self.budget_s)
+        self._window = largest if live else window_for(self._rate, None, 0,
+                                                       budget_s=self.budget_s, most=self.most)
+
+
+def most_in_flight(backoff: Backoff) -> int | None:
+    """What the pull's windows may hold together under ``backoff`` (None: no bound)."""
+    return int(BURST_SHARE * backoff.smallest_burst) or None
 
 
 def buffer_for(window: int, scale: float = DEFAULT_SCALE) -> int:

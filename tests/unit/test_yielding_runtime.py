@@ -93,6 +93,7 @@ def test_the_pull_sockets_windows_follow_and_count_the_bytes(tmp_path):
     try:
         # No shaper: the pull sockets' own bytes tell our traffic from the link's.
         assert rt.loop.detectors.link is not None and windows.budget_s == 0.002
+        assert windows.most == 120_000                  # 3% of the default 4 MB burst
         assert wait_for(lambda: windows.rates) and windows.rates[0] == G
     finally:
         rt.stop()
