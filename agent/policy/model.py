@@ -183,8 +183,8 @@ class Backoff:
     queue_budget: float = duration_field(0.001, min=0.0, max=1.0)
     # the smallest training burst to protect (bytes): the pull's windows together never hold
     # more than BURST_SHARE (3%) of it, whatever the link's rate, since what a window granted
-    # still arrives after a cut (agent/yielding/sockets.py); 0: no such bound
-    smallest_burst: int = size_field(4 * 10**6, min=0)
+    # still arrives after a cut (agent/yielding/sockets.py); null: no such bound
+    smallest_burst: int | None = size_field(4 * 10**6)
     roots: tuple[tuple[str, str], ...] = ()  # detector roots (proc, sys) overridden for tests
 
     def resolved(self, link_bps: int) -> Backoff:

@@ -337,7 +337,9 @@ class PullSockets:
 
 def most_in_flight(backoff: Backoff) -> int | None:
     """What the pull's windows may hold together under ``backoff`` (None: no bound)."""
-    return int(BURST_SHARE * backoff.smallest_burst) or None
+    if not backoff.smallest_burst:
+        return None
+    return max(1, int(BURST_SHARE * backoff.smallest_burst))
 
 
 def buffer_for(window: int, scale: float = DEFAULT_SCALE) -> int:

@@ -29,7 +29,7 @@ def test_a_100_ms_tick_cannot_see_a_burst_that_lasts_2_ms():
     stays full, and without a bound on its windows a 1 ms queue budget (12.5 MB) is in the way
     of every burst."""
     unbounded = simulate(Link(100 * G, 50e-6), Bursts(24 * MB, 0.5, 6),
-                         Backoff(smallest_burst=0))
+                         Backoff(smallest_burst=None))
     assert unbounded.p50 > 1.5 and unbounded.idle_used > 0.9
     bounded = simulate(Link(100 * G, 50e-6), Bursts(24 * MB, 0.5, 6), Backoff())
     assert bounded.p50 < 1.1 < unbounded.p50        # 120 kB in flight, not 12.6 MB

@@ -6,12 +6,15 @@ import threading
 
 import pytest
 
+from agent.policy.model import Backoff
 from agent.yielding.base_rtt import BaseRtts
 from agent.yielding.sockets import (
+    BURST_SHARE,
     MIN_SEGMENTS,
     TCP_WINDOW_CLAMP,
     PullSockets,
     buffer_for,
+    most_in_flight,
     parse_tcp_info,
     window_for,
 )
@@ -211,3 +214,17 @@ def test_each_socket_is_sized_for_the_path_to_its_own_peer(pair):
     finally:
         far.close()
         accepted.close()
+
+
+def test_the_windows_together_hold_at_most_a_share_of_the_smallest_burst():
+    """Issue 23: what a window granted still arrives after a cut, so the windows together stay
+    under 3% of the smallest burst the policy protects, at any rate; null lifts the bound."""
+    assert most_in_flight(Backoff()) == int(BURST_SHARE * 4 * 10**6) == 120_000
+    assert most_in_flight(Backoff(smallest_burst=None)) is None
+    per = window_for(10**11, 50e-6, 8, most=most_in_flight(Backoff()))
+    assert per * 8 == 120_000                               # 12.6 MB by rate alone
+    assert window_for(10**11, 50e-6, 8) * 8 > 12_000_000
+    assert window_for(10**7, 50e-6, 8, most=120_000) == 4 * 1448   # the floor still holds
+    reg = PullSockets()
+    reg.configure(Backoff(queue_budget=0.002, smallest_burst=8 * 10**6))
+    assert (reg.budget_s, reg.most) == (0.002, 240_000)
