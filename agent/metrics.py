@@ -273,6 +273,16 @@ def _backoff(b: BackoffInfo) -> Iterator[Metric]:
     for kind in SIGNAL_KINDS:
         by.add_metric([kind], b.events_by_signal.get(kind, 0))
     yield by
+    c = CounterMetricFamily
+    yield c("wagent_backoff_yielded_seconds", "Time distribution was held under its cap "
+            "(backed off or ramping)", value=b.yielded_s)
+    yield c("wagent_backoff_idle_bytes", "Link capacity other traffic left free while "
+            "distribution was held under its cap", value=b.idle_bytes)
+    yield c("wagent_backoff_pulled_bytes", "What distribution carried while held under its "
+            "cap (over wagent_backoff_idle_bytes: the share of the gaps between training's "
+            "bursts it used)", value=b.pulled_bytes)
+    yield c("wagent_backoff_bursts", "Times other traffic rose over the threshold after a tick "
+            "under it (bursts shorter than a tick may go unseen)", value=b.bursts)
     for key, value in sorted(b.readings.items()):
         r = READINGS.get(key)
         if r is not None and value is not None:

@@ -101,7 +101,9 @@ def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
         since=None if st.since is None else st.since + offset,
         rate_bps=st.rate_bps, floor_bps=st.floor_bps, cap_bps=st.cap_bps,
         events=tuple(events[1:][-MAX_EVENTS:]), events_total=st.events,
-        readings=readings(st), events_by_signal=st.events_by_signal)
+        readings=readings(st), events_by_signal=st.events_by_signal,
+        yielded_s=st.account.yielded_s, idle_bytes=int(st.account.idle_bits / 8),
+        pulled_bytes=int(st.account.pulled_bits / 8), bursts=st.account.bursts)
 
 
 def readings(st: BackoffStatus) -> dict[str, float]:

@@ -113,6 +113,16 @@ class BackoffInfo:
     # the same backoffs, by the kind of signal that caused them (training_port, link, rdma,
     # nccl; one backoff may count for several)
     events_by_signal: Mapping[str, int] = field(default_factory=dict)
+    # while distribution was held under its cap (agent.yielding.account): for how long, the
+    # link capacity other traffic left free, what the pull carried of it, and the bursts seen
+    yielded_s: float = 0.0
+    idle_bytes: int = 0
+    pulled_bytes: int = 0
+    bursts: int = 0
+
+    @property
+    def idle_used(self) -> float | None:
+        return self.pulled_bytes / self.idle_bytes if self.idle_bytes > 0 else None
 
 
 @dataclass(frozen=True)
@@ -288,6 +298,9 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "events_total": s.backoff.events_total,
             "events_by_signal": dict(sorted(s.backoff.events_by_signal.items())),
             "readings": dict(sorted(s.backoff.readings.items())),
+            "yielded_s": s.backoff.yielded_s, "bursts": s.backoff.bursts,
+            "idle_bytes": s.backoff.idle_bytes, "pulled_bytes": s.backoff.pulled_bytes,
+            "idle_used": s.backoff.idle_used,
         },
         "pulls": [
             {"model": p.model, "version": p.version, "state": p.state,

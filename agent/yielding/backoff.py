@@ -32,12 +32,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.policy.model import Policy
 from agent.units import format_rate
-from agent.yielding.controller import Controller, Decision
+from agent.yielding.account import Account
+from agent.yielding.controller import FULL, Controller, Decision
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.readings import Readings
 from agent.yielding.sockets import StreamsSample
@@ -89,6 +90,7 @@ class BackoffStatus:
     pull_rtt_us: int | None = None
     pull_window_bytes: int | None = None
     history: tuple[Applied, ...] = ()   # the last HISTORY decisions applied, oldest first
+    account: Account = field(default_factory=Account)   # what yielding cost (a copy)
 
 
 class BackoffLoop:
@@ -129,6 +131,8 @@ class BackoffLoop:
         self.ticks = 0
         self.apply_errors = 0
         self.last_error: str | None = None
+        self.account = Account()
+        self._last_tick: float | None = None
 
     @property
     def events(self) -> int:
@@ -173,11 +177,21 @@ class BackoffLoop:
                 streams = self.streams_source()
             except Exception as e:
                 self._note_error(f"reading the pull sockets: {e}")
+        busiest = max(readings.links, key=lambda r: r.other_bps, default=None)
         with self._lock:
             self.decision, self.readings, self.streams = decision, readings, streams
             self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason,
                                         decision.signals))
             self.ticks += 1
+            if busiest is not None:
+                # the tick that just ended was held at the rate the previous one set
+                self.account.add(
+                    0.0 if self._last_tick is None else now - self._last_tick,
+                    link_bps=self.controller.link, other_bps=busiest.other_bps,
+                    distribution_bps=busiest.distribution_bps,
+                    yielded=before is not None and before.state != FULL,
+                    over=busiest.other_bps >= self.controller.backoff.link_threshold)
+            self._last_tick = now
         return decision
 
     def run(self) -> None:
@@ -231,6 +245,7 @@ class BackoffLoop:
         with self._lock:
             d, r, st = self.decision, self.readings, self.streams
             history = tuple(self.history)
+            account = replace(self.account)
         return BackoffStatus(
             state=d.state if d else "full",
             rate_bps=d.rate_bps if d else self.controller.cap,
@@ -252,6 +267,7 @@ class BackoffLoop:
             pull_rtt_us=st.rtt_us if st else None,
             pull_window_bytes=st.window if st else None,
             history=history,
+            account=account,
         )
 
     def _note_error(self, text: str) -> None:

@@ -225,3 +225,32 @@ def test_detector_roots_from_the_policy(tmp_path):
     write_tcp(tmp_path, [tcp_line(0, "0200000A:D000", "0100000A:733C", ESTABLISHED)], [])
     dets = Detectors.from_policy(Backoff(roots=(("proc", str(tmp_path / "proc")),)))
     assert dets.ports.sample(0.0)[0].connections == 1
+
+
+def test_the_account_says_what_yielding_left_unused(tmp_path):
+    """Issue 23's figure in production: while held under its cap, the share of the capacity
+    other traffic left free that the pull used; and the bursts the ticks saw."""
+    clock = Clock()
+    dist = {"eth0": LinkCounters(0, 0)}
+    loop = BackoffLoop(Controller(POLICY, G, link_bps=G), node(tmp_path),
+                       distribution=lambda: dist, clock=clock)
+    link = pulled = 0
+
+    def second(other, pull):
+        nonlocal link, pulled
+        link, pulled = link + other + pull, pulled + pull
+        set_netdev(tmp_path, "eth0", link, 0)
+        dist["eth0"] = LinkCounters(pulled, 0)
+        clock.t += 1.0
+        return loop.tick()
+
+    loop.tick()
+    assert second(0, 100 * M).state == "full"            # a pull alone: nothing yielded
+    assert second(100 * M, 0).state == "backed_off"      # a burst: 800 Mbit/s
+    assert second(0, M).state != "full"                  # the gap: 1 MB of 125 MB pulled
+    assert second(100 * M, 0).state == "backed_off"      # the next burst, while ramping
+    a = loop.status().account
+    assert a.bursts == 2 and a.yielded_s == 2.0          # the two ticks held under the cap
+    assert a.idle_bits == (1000 * M) + (1000 * M - 800 * M)
+    assert a.pulled_bits == 8 * M
+    assert a.idle_used == 8 * M / (1200 * M)

@@ -63,6 +63,10 @@ def test_exposition_has_every_family(tmp_path):
     ):
         assert line in text, line
     assert "wagent_backoff_events_total" in text
+    assert "wagent_backoff_yielded_seconds_total 20.0" in text
+    assert "wagent_backoff_idle_bytes_total 2e+09" in text
+    assert "wagent_backoff_pulled_bytes_total 6e+06" in text
+    assert "wagent_backoff_bursts_total 40.0" in text
     assert (tmp_path / "wagent.prom").read_text().startswith("# HELP")
 
 

@@ -44,7 +44,8 @@ def busy_state(**over):
             enabled=True, state="backed_off", reason="NCCL traffic", since=NOW - 20,
             rate_bps=10_000_000, floor_bps=10_000_000, cap_bps=500_000_000,
             events=(BackoffEvent(NOW - 20, "backed_off", "NCCL traffic", 10_000_000),),
-            readings={"other_bps": 9.1e8, "rdma_bps": 0.0}),
+            readings={"other_bps": 9.1e8, "rdma_bps": 0.0}, yielded_s=20.0,
+            idle_bytes=2 * 10**9, pulled_bytes=6 * 10**6, bursts=40),
         pulls=(PullInfo("llama3-70b", "v3", "pulling", bytes_done=41, bytes_total=100,
                         rate_bps=480e6, streams=8, slot_at=NOW - 100, started_at=NOW - 90,
                         local_version="v2"),),
@@ -71,6 +72,10 @@ def test_schema_fields_and_healthy():
     assert p["percent"] == 41.0
     assert p["eta_s"] == 59 * 8 / 480e6
     assert doc["shaping"]["interfaces"][0]["classes"][0]["drops"] == 12
+    b = doc["backoff"]
+    assert (b["yielded_s"], b["bursts"], b["idle_used"]) == (20.0, 40, 0.003)
+    assert to_json(busy_state(backoff=BackoffInfo(enabled=True)), NOW)["backoff"][
+        "idle_used"] is None                      # nothing yielded yet: no share to give
     json.dumps(doc)  # serialisable as is
 
 
