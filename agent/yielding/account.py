@@ -28,17 +28,17 @@ class Account:
     bursts: int = 0                 # rises of other traffic over the threshold
     _over: bool = False             # the last tick's other traffic was over the threshold
 
-    def add(self, dt: float, *, link_bps: int | None, other_bps: float,
+    def add(self, dt: float, *, link_bps: int | None, other_bps: float | None,
             distribution_bps: float | None, yielded: bool, over: bool) -> None:
-        """One tick of ``dt`` seconds. ``link_bps`` None: the link's rate is unknown (the idle
-        capacity is then not counted); ``distribution_bps`` None: not measured."""
+        """One tick of ``dt`` seconds. None: not known (no link reading, the link's rate not
+        given, no distribution counter); the idle capacity is counted only when all are."""
         if over and not self._over:
             self.bursts += 1
         self._over = over
         if not yielded or dt <= 0:
             return
         self.yielded_s += dt
-        if link_bps and distribution_bps is not None:
+        if link_bps and other_bps is not None and distribution_bps is not None:
             self.idle_bits += max(0.0, link_bps - other_bps) * dt
             self.pulled_bits += max(0.0, distribution_bps) * dt
 

@@ -183,14 +183,15 @@ class BackoffLoop:
             self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason,
                                         decision.signals))
             self.ticks += 1
-            if busiest is not None:
-                # the tick that just ended was held at the rate the previous one set
-                self.account.add(
-                    0.0 if self._last_tick is None else now - self._last_tick,
-                    link_bps=self.controller.link, other_bps=busiest.other_bps,
-                    distribution_bps=busiest.distribution_bps,
-                    yielded=before is not None and before.state != FULL,
-                    over=busiest.other_bps >= self.controller.backoff.link_threshold)
+            # the tick that just ended was held at the rate the previous one set
+            self.account.add(
+                0.0 if self._last_tick is None else now - self._last_tick,
+                link_bps=self.controller.link,
+                other_bps=None if busiest is None else busiest.other_bps,
+                distribution_bps=None if busiest is None else busiest.distribution_bps,
+                yielded=before is not None and before.state != FULL,
+                over=busiest is not None
+                and busiest.other_bps >= self.controller.backoff.link_threshold)
             self._last_tick = now
         return decision
 

@@ -254,3 +254,17 @@ def test_the_account_says_what_yielding_left_unused(tmp_path):
     assert a.idle_bits == (1000 * M) + (1000 * M - 800 * M)
     assert a.pulled_bits == 8 * M
     assert a.idle_used == 8 * M / (1200 * M)
+
+
+def test_time_yielded_counts_without_a_link_reading(tmp_path):
+    """A node that knows training by its port alone still says how long it yielded; the idle
+    capacity needs the link's counters, so its share stays unknown (None), not 0%."""
+    clock = Clock()
+    loop = BackoffLoop(Controller(POLICY, G), Detectors(ports=PortsDetector(
+        POLICY.training_ports, tmp_path)), clock=clock)
+    training(tmp_path, True)
+    assert loop.tick().state == "backed_off"
+    clock.t = 0.1
+    loop.tick()
+    a = loop.status().account
+    assert a.yielded_s == 0.1 and a.idle_used is None and a.bursts == 0
