@@ -45,7 +45,9 @@ def test_a_known_connection_is_looked_up_and_its_end_seen_without_a_dump():
         a, _ = srv.accept()
         det = PortsDetector([(port, port)])
         assert det.sample(0.0)[0].connections == 2          # a full dump: both ends
-        mine = [s for s in dump_tcp() if s.local == c.getsockname()]
+        # by both ends: a TIME_WAIT socket of an earlier test may hold the same local port
+        mine = [s for s in dump_tcp()
+                if (s.local, s.remote) == (c.getsockname(), c.getpeername())]
         assert [s.remote for s in lookup_tcp(mine)] == [("127.0.0.1", port)]
         assert det.refresh(0.1)[0].connections == 2
         c.close()
