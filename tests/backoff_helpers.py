@@ -97,6 +97,10 @@ class Windows:
 
     def __init__(self, received=0):
         self.rates, self.budget_s, self.most, self.received = [], None, None, received
+        self.training = []
+
+    def guard(self, training):
+        self.training.append(training)
 
     def configure(self, backoff):
         self.budget_s, self.most = backoff.queue_budget, most_in_flight(backoff)

@@ -181,9 +181,9 @@ class Backoff:
     # the standing queue (as time at the allowed rate) the pull's receive windows allow it at
     # the bottleneck, besides one round trip in flight
     queue_budget: float = duration_field(0.001, min=0.0, max=1.0)
-    # the smallest training burst to protect (bytes): the pull's windows together never hold
-    # more than BURST_SHARE (3%) of it, whatever the link's rate, since what a window granted
-    # still arrives after a cut (agent/yielding/sockets.py); null: no such bound
+    # the smallest training burst to protect (bytes): while the node trains, the pull's windows
+    # together never hold more than BURST_SHARE (3%) of it, whatever the link's rate (what a
+    # window granted still arrives after a cut: agent/yielding/sockets.py); null: no bound
     smallest_burst: int | None = size_field(4 * 10**6)
     roots: tuple[tuple[str, str], ...] = ()  # detector roots (proc, sys) overridden for tests
 

@@ -98,7 +98,8 @@ class BackoffLoop:
                  set_kernel_ceil: RateSink | None = None, set_pull_rate: RateSink | None = None,
                  set_windows: RateSink | None = None,
                  distribution: DistributionSource | None = None,
-                 streams: Callable[[], StreamsSample] | None = None, tick: float = 0.1,
+                 streams: Callable[[], StreamsSample] | None = None,
+                 training_present: Callable[[bool], Any] | None = None, tick: float = 0.1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self.controller = controller
@@ -114,6 +115,10 @@ class BackoffLoop:
             self.sinks["kernel ceil"] = set_kernel_ceil
         self.distribution = distribution
         self.streams_source = streams
+        # told each tick whether training is on this node (the pull sockets bound their windows
+        # only then); None until the first tick
+        self.training_present = training_present
+        self._present: bool | None = None
         self.streams: StreamsSample | None = None
         self.tick_s = max(MIN_TICK, float(tick))
         self._clock = clock
@@ -177,6 +182,15 @@ class BackoffLoop:
                 streams = self.streams_source()
             except Exception as e:
                 self._note_error(f"reading the pull sockets: {e}")
+        present = (decision.state != FULL or readings.training_connections > 0
+                   or bool(readings.nccl))
+        if self.training_present is not None and present != self._present:
+            try:
+                self.training_present(present)
+                self._present = present
+            except Exception as e:  # retried next tick
+                on = "on" if present else "off"
+                self._note_error(f"telling the pull sockets training is {on}: {e}")
         busiest = max(readings.links, key=lambda r: r.other_bps, default=None)
         with self._lock:
             self.decision, self.readings, self.streams = decision, readings, streams

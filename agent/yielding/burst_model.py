@@ -97,7 +97,8 @@ class Outcome:
 
 
 def window_total(rate_bps: int | None, path: Link, backoff: Backoff) -> float:
-    """The bytes the pull's sockets may have in flight together (``window_for`` per socket)."""
+    """The bytes the pull's sockets may have in flight together (``window_for`` per socket;
+    a node with training bursts trains, so their bound holds: ``PullSockets.guard``)."""
     per = window_for(rate_bps, path.base_rtt, STREAMS, budget_s=backoff.queue_budget,
                      most=most_in_flight(backoff))
     return math.inf if per is None else float(per * STREAMS)

@@ -233,6 +233,7 @@ class ShapingRuntime:
                            set_windows=sockets.set_rate if sockets is not None else None,
                            distribution=distribution,
                            streams=sockets.sample if sockets is not None else None,
+                           training_present=sockets.guard if sockets is not None else None,
                            tick=backoff.tick, clock=self.clock)
         loop.watching = (backoff, interfaces)
         self.loop = loop.start()

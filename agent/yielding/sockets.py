@@ -174,6 +174,9 @@ class PullSockets:
                  bases: BaseRtts | None = None, most: int | None = None) -> None:
         self.budget_s = budget_s
         self.most = most                 # bytes the windows may hold together (None: no bound)
+        # whether training is on this node (the backoff loop says, each tick): the bound on
+        # what the windows hold together protects bursts, and a node without training has none
+        self._guarded = True
         self.clock = clock
         self.bases = bases if bases is not None else BaseRtts()
         self._lock = threading.Lock()
@@ -221,6 +224,15 @@ class PullSockets:
             self._apply_locked()
 
     # -- the backoff loop's side ---------------------------------------------------------------
+    def guard(self, training: bool) -> None:
+        """Whether training is on this node now (a training port, a process mapping libnccl,
+        or the controller backed off or ramping): the windows hold at most ``most`` together
+        only then, so a node that never trains pulls at the link's rate on any path."""
+        with self._lock:
+            if training != self._guarded:
+                self._guarded = training
+                self._apply_locked()
+
     def set_rate(self, rate_bps: int | None) -> None:
         """What the controller allows now (None: no limit); every live socket's clamp follows."""
         with self._lock:
@@ -308,13 +320,14 @@ class PullSockets:
         live = self._live_locked() if live is None else live
         self._applied_n = len(live)
         now = self.clock()
+        most = self.most if self._guarded else None
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:
                 self._rebase_locked(entry, now)
             # Each socket carries its share of the rate over its own path's round trip.
             window = window_for(self._rate, entry.base, len(live), budget_s=self.budget_s,
-                                most=self.most)
+                                most=most)
             if window is not None:
                 largest = max(largest or 0, window)
             # No rate: the window autotuning would reach at most (a fixed buffer can't be
@@ -332,7 +345,7 @@ class PullSockets:
                 continue
             entry.applied = want
         self._window = largest if live else window_for(self._rate, None, 0,
-                                                       budget_s=self.budget_s, most=self.most)
+                                                       budget_s=self.budget_s, most=most)
 
 
 def most_in_flight(backoff: Backoff) -> int | None:

@@ -268,3 +268,23 @@ def test_time_yielded_counts_without_a_link_reading(tmp_path):
     loop.tick()
     a = loop.status().account
     assert a.yielded_s == 0.1 and a.idle_used is None and a.bursts == 0
+
+
+def test_the_pull_sockets_hear_whether_training_is_on(tmp_path):
+    clock, windows = Clock(), Windows()
+    loop = BackoffLoop(Controller(POLICY, G), Detectors(ports=PortsDetector(
+        POLICY.training_ports, tmp_path)), set_windows=windows.set_rate,
+        training_present=windows.guard, clock=clock)
+    training(tmp_path, False)
+    loop.tick()
+    training(tmp_path, True)
+    clock.t = 0.1
+    loop.tick()                                   # a connection on the training port
+    training(tmp_path, False)
+    for t in (0.2, 0.3):                          # backed off, quiet: still training
+        clock.t = t
+        loop.tick()
+    clock.t = 5.0
+    while loop.tick().state != "full":            # ramped back up: no training any more
+        clock.t += 0.1
+    assert windows.training == [False, True, False]    # told on change only

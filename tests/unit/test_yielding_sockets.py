@@ -228,3 +228,15 @@ def test_the_windows_together_hold_at_most_a_share_of_the_smallest_burst():
     reg = PullSockets()
     reg.configure(Backoff(queue_budget=0.002, smallest_burst=8 * 10**6))
     assert (reg.budget_s, reg.most) == (0.002, 240_000)
+
+
+def test_a_node_without_training_lifts_the_bound():
+    """The bound protects bursts; a node the backoff loop finds without training (no training
+    port, no libnccl, the controller full) pulls at the link's rate on any path."""
+    reg = PullSockets(most=120_000)
+    reg.set_rate(100 * G)
+    assert reg.sample().window == 120_000                   # training assumed until told
+    reg.guard(False)
+    assert reg.sample().window == window_for(100 * G, None, 0) == 12_500_000
+    reg.guard(True)
+    assert reg.sample().window == 120_000
