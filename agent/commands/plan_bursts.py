@@ -3,10 +3,10 @@ node may not have, from the model of one bottleneck (``agent.yielding.burst_mode
 
 For each link rate: the bursts' slowdown beside the pull (the first, and the p50 and p99 of the
 rest, each over the burst alone) and the share of the idle capacity between bursts the pull
-used. The controller is wagent's own, with the policy's timing (``backoff.tick``, ``quiet``,
-``decrease``, ``queue_budget``) and the shipped shares of each link (floor, threshold,
-increase); a row says whether the guarantee holds there (first <= 1.5x, p99 <= 1.05x) and
-whether the pull uses the gaps (at least half the idle capacity).
+used. The controller is wagent's own, with the policy's timing and windows (``backoff.tick``,
+``quiet``, ``decrease``, ``queue_budget``, ``smallest_burst``) and the shipped shares of each
+link (floor, threshold, increase); a row says whether the guarantee holds there (first <= 1.5x,
+p99 <= 1.05x) and whether the pull uses the gaps (at least half the idle capacity).
 
     wagent plan --policy policy.yaml --bursts 24MB@500ms
     wagent plan --bursts 6MB@120ms --rates 1gbit,100gbit --rtt 0.02ms --json
