@@ -277,12 +277,17 @@ def _backoff(b: BackoffInfo) -> Iterator[Metric]:
     yield c("wagent_backoff_yielded_seconds", "Time distribution was held under its cap "
             "(backed off or ramping)", value=b.yielded_s)
     yield c("wagent_backoff_idle_bytes", "Link capacity other traffic left free while "
-            "distribution was held under its cap", value=b.idle_bytes)
-    yield c("wagent_backoff_pulled_bytes", "What distribution carried while held under its "
-            "cap (over wagent_backoff_idle_bytes: the share of the gaps between training's "
-            "bursts it used)", value=b.pulled_bytes)
-    yield c("wagent_backoff_bursts", "Times other traffic rose over the threshold after a tick "
-            "under it (bursts shorter than a tick may go unseen)", value=b.bursts)
+            "training was on the node", value=b.idle_bytes)
+    yield c("wagent_backoff_pulled_bytes", "What distribution carried while training was on "
+            "the node (over wagent_backoff_idle_bytes: the share of the gaps between "
+            "training's bursts it used)", value=b.pulled_bytes)
+    yield c("wagent_backoff_bursts", "Training bursts seen: by the fast path's detector when "
+            "it is on (wagent_backoff_fast_path), else rises over the threshold from one tick "
+            "to the next (bursts shorter than a tick may go unseen)", value=b.bursts)
+    yield c("wagent_backoff_cut_seconds", "Time the fast path held the pull's readers for "
+            "bursts", value=b.cut_s)
+    yield g("wagent_backoff_fast_path", "1: the kernel's burst detector is on (status says "
+            "where, or why not)", value=1.0 if b.fast_path.startswith("on") else 0.0)
     for key, value in sorted(b.readings.items()):
         r = READINGS.get(key)
         if r is not None and value is not None:

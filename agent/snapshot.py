@@ -103,7 +103,10 @@ def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
         events=tuple(events[1:][-MAX_EVENTS:]), events_total=st.events,
         readings=readings(st), events_by_signal=st.events_by_signal,
         yielded_s=st.account.yielded_s, idle_bytes=int(st.account.idle_bits / 8),
-        pulled_bytes=int(st.account.pulled_bits / 8), bursts=st.account.bursts)
+        pulled_bytes=int(st.account.pulled_bits / 8),
+        bursts=st.account.bursts if st.bursts is None else st.bursts.bursts,
+        fast_path=st.fast_path,
+        cut_s=0.0 if st.bursts is None else st.bursts.held_s(st.bursts_at_ns))
 
 
 def readings(st: BackoffStatus) -> dict[str, float]:

@@ -113,12 +113,18 @@ class BackoffInfo:
     # the same backoffs, by the kind of signal that caused them (training_port, link, rdma,
     # nccl; one backoff may count for several)
     events_by_signal: Mapping[str, int] = field(default_factory=dict)
-    # while distribution was held under its cap (agent.yielding.account): for how long, the
-    # link capacity other traffic left free, what the pull carried of it, and the bursts seen
+    # yielding's account (agent.yielding.account): how long the slow path held distribution
+    # under its cap; while training was on the node, the link capacity other traffic left free
+    # and what the pull carried of it; the bursts seen (the fast path's detector's count when
+    # it is on, else rises over the threshold from one tick to the next)
     yielded_s: float = 0.0
     idle_bytes: int = 0
     pulled_bytes: int = 0
     bursts: int = 0
+    # the fast path (agent.yielding.bursts): "on: eth0" or "off: why"; how long its cuts held
+    # the pull's readers
+    fast_path: str = "off"
+    cut_s: float = 0.0
 
     @property
     def idle_used(self) -> float | None:
@@ -301,6 +307,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "yielded_s": s.backoff.yielded_s, "bursts": s.backoff.bursts,
             "idle_bytes": s.backoff.idle_bytes, "pulled_bytes": s.backoff.pulled_bytes,
             "idle_used": s.backoff.idle_used,
+            "fast_path": s.backoff.fast_path, "cut_s": s.backoff.cut_s,
         },
         "pulls": [
             {"model": p.model, "version": p.version, "state": p.state,
@@ -400,6 +407,10 @@ def to_text(doc: Mapping[str, Any]) -> str:
         reason = f" ({b['reason']})" if b["reason"] else ""
         lines.append(f"backoff:  {b['state']}{reason} since {_when(b['since'], now)}, "
                      f"rate {_rate(b['rate_bps'])}, {len(b['events'])} recent events")
+        used = f", {100 * b['idle_used']:.0f}% of the idle capacity used while training" \
+            if b["idle_used"] is not None else ""
+        lines.append(f"  fast path {b['fast_path']}; {b['bursts']} bursts, held "
+                     f"{format_duration(b['cut_s'])}{used}")
     else:
         lines.append("backoff:  off")
     lines.append("pulls:" if doc["pulls"] else "pulls:    none configured")

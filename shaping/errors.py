@@ -10,7 +10,10 @@ NET_ADMIN_HINT = (
 
 
 class ShapingError(Exception):
-    """Shaping can't be set up or read; the message names the interface or setting and the fix."""
+    """Shaping can't be set up or read; the message names the interface or setting and the fix.
+    ``code``: the kernel's errno, when the kernel refused."""
+
+    code: int | None = None
 
 
 class PlanError(ShapingError):

@@ -62,6 +62,9 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 SOL_NETLINK, NETLINK_EXT_ACK, NLMSGERR_ATTR_MSG = 270, 11, 1
 TC_ACT_STOLEN, TCA_EGRESS_REDIR = 4, 1
 TC_U32_TERMINAL = 1
+TC_H_INGRESS_PARENT = 0xFFFF0000        # filters of the ingress qdisc (handle ffff:)
+TCA_BPF_FLAG_ACT_DIRECT = 1
+ETH_P_ALL = 0x0003
 READ_SPAN, READ_ATTEMPTS = 0.0005, 3    # ingress counters: a read over 0.5 ms is redone
 LINKLAYER_ETHERNET = 1
 U32_MAX = 0xFFFFFFFF
@@ -137,7 +140,16 @@ def _tc_class(name: str, options: str, **nested: type[nla]) -> type[nlmsg]:
     return type(name, (nlmsg,), body)
 
 
+class _bpf_options(nla):
+    nla_map = (("TCA_BPF_UNSPEC", "none"), ("TCA_BPF_ACT", "cdata"),
+               ("TCA_BPF_POLICE", "cdata"), ("TCA_BPF_CLASSID", "uint32"),
+               ("TCA_BPF_OPS_LEN", "uint16"), ("TCA_BPF_OPS", "cdata"),
+               ("TCA_BPF_FD", "uint32"), ("TCA_BPF_NAME", "asciiz"),
+               ("TCA_BPF_FLAGS", "uint32"))
+
+
 _tc = _tc_class("_tc", "cdata")
+_bpf_tc = _tc_class("_bpf_tc", "bpf", bpf=_bpf_options)
 _htb_tc = _tc_class("_htb_tc", "htb", htb=_htb_options)
 _u32_tc = _tc_class("_u32_tc", "u32", u32=_u32_options)
 
@@ -364,6 +376,35 @@ class Netlink:
         flags = NLM_F_CREATE | (NLM_F_EXCL if create else 0)
         self._tc(RTM_NEWTFILTER, flags, _u32_tc, self.index(device), flt.handle, flt.parent,
                  info, "u32", {"attrs": attrs}, what=f"u32 filter on {device}")
+
+    def has_filter(self, device: str, parent: int, pref: int) -> bool:
+        """A filter of any kind at ``pref`` under ``parent`` on ``device``."""
+        links = self.links()
+        if device not in links:
+            return False
+        return any(struct.unpack_from("=I", raw, 16 + 16)[0] >> 16 == pref
+                   for raw in self._dump(RTM_GETTFILTER, links[device][0], parent))
+
+    def attach_detector(self, device: str, fd: int, name: str, pref: int) -> None:
+        """The burst detector (``shaping.bpf``) on ``device``'s ingress at ``pref``, in place of
+        whatever held that pref (a detector a crashed agent left: its program goes with it).
+        Direct action: the program's verdict (TC_ACT_UNSPEC) lets every packet on."""
+        self.detach_detector(device, pref)
+        info = (pref << 16) | socket.htons(ETH_P_ALL)
+        self._tc(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, _bpf_tc, self.index(device), 1,
+                 TC_H_INGRESS_PARENT, info, "bpf",
+                 {"attrs": [["TCA_BPF_FD", fd], ["TCA_BPF_NAME", name],
+                            ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]},
+                 what=f"burst detector on {device}")
+
+    def detach_detector(self, device: str, pref: int) -> None:
+        """Removes the filters at ``pref`` on ``device``'s ingress; none there is no error."""
+        try:
+            self._tc(RTM_DELTFILTER, 0, _tc, self.index(device), 0, TC_H_INGRESS_PARENT,
+                     pref << 16, None, None, what=f"burst detector on {device}")
+        except ShapingError as e:
+            if e.code not in (errno.ENOENT, errno.EINVAL):
+                raise
 
     # ---- transport -----------------------------------------------------------------------
     def index(self, name: str) -> int:
@@ -664,6 +705,12 @@ def _ext_ack(body: bytes, flags: int) -> str:
 
 
 def tc_error(code: int, kernel: str, what: str, kind: str, msg_type: int) -> ShapingError:
+    err = _tc_error(code, kernel, what, kind, msg_type)
+    err.code = code
+    return err
+
+
+def _tc_error(code: int, kernel: str, what: str, kind: str, msg_type: int) -> ShapingError:
     detail = f"{os.strerror(code)}" + (f" ({kernel})" if kernel else "")
     if code in (errno.EPERM, errno.EACCES):
         return ShapingError(f"{what}: permission denied. {NET_ADMIN_HINT}")

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 
 from agent.policy.model import Shaping, Source
 from shaping import state
+from shaping.bpf import DETECTOR_NAME, DETECTOR_PREF
 from shaping.errors import ShapingError
-from shaping.netlink import Netlink
+from shaping.netlink import TC_H_INGRESS_PARENT, Netlink
 from shaping.observed import ClassStats, Device, LinkCounters, Qdisc
 from shaping.plan import (
     DIST_CLASS,
@@ -148,6 +149,34 @@ class Shaper:
         self._live.indexes.clear()
         notes += [f"{name}: adopted wagent's existing tree (handle 5747:)" for name in adopted]
         return ApplyReport(tuple(actions), tuple(notes), dry_run, tuple(adopted))
+
+    def detector_links(self) -> list[str]:
+        """The interfaces whose ingress the burst detector watches: those with an ingress tree
+        (the redirect filters before it are what tell distribution from the rest)."""
+        return [ip.interface for ip in self._plan.interfaces if ip.ingress is not None]
+
+    def attach_detector(self, fd: int, only_missing: bool = False) -> list[str]:
+        """The burst detector (``shaping.bpf``, program ``fd``) on every ingress tree's
+        interface, replacing any there; ``only_missing``: only where it is gone (an interface
+        re-created, the ingress qdisc removed by hand). Returns the interfaces it went on."""
+        nl = self._persistent()
+        links = nl.links()
+        done = []
+        for name in self.detector_links():
+            if name not in links:
+                continue
+            if only_missing and nl.has_filter(name, TC_H_INGRESS_PARENT, DETECTOR_PREF):
+                continue
+            nl.attach_detector(name, fd, DETECTOR_NAME, DETECTOR_PREF)
+            done.append(name)
+        return done
+
+    def detach_detector(self) -> None:
+        nl = self._persistent()
+        links = nl.links()
+        for name in self.detector_links():
+            if name in links:
+                nl.detach_detector(name, DETECTOR_PREF)
 
     def set_ceil(self, bits_per_s: int) -> None:
         """Move every distribution class's ceil now: one netlink request (and ack) per tree,

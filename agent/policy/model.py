@@ -185,6 +185,9 @@ class Backoff:
     # together never hold more than BURST_SHARE (3%) of it, whatever the link's rate (what a
     # window granted still arrives after a cut: agent/yielding/sockets.py); null: no bound
     smallest_burst: int | None = size_field(4 * 10**6)
+    # the fast path (agent/yielding/bursts.py): a burst the kernel's detector sees holds the
+    # pull's readers until this long after its last packet; null: no fast path (ticks only)
+    burst_hold: float | None = duration_field(0.005, min=0.0001, max=1.0)
     roots: tuple[tuple[str, str], ...] = ()  # detector roots (proc, sys) overridden for tests
 
     def resolved(self, link_bps: int) -> Backoff:

@@ -38,6 +38,7 @@ from typing import Any
 from agent.policy.model import Policy
 from agent.units import format_rate
 from agent.yielding.account import Account
+from agent.yielding.bursts import BurstGate, BurstState, slow_view
 from agent.yielding.controller import FULL, Controller, Decision
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.readings import Readings
@@ -91,6 +92,10 @@ class BackoffStatus:
     pull_window_bytes: int | None = None
     history: tuple[Applied, ...] = ()   # the last HISTORY decisions applied, oldest first
     account: Account = field(default_factory=Account)   # what yielding cost (a copy)
+    # the fast path's detector at the last tick (None: no fast path), and the time then
+    bursts: BurstState | None = None
+    bursts_at_ns: int = 0
+    fast_path: str = "off"
 
 
 class BackoffLoop:
@@ -99,7 +104,8 @@ class BackoffLoop:
                  set_windows: RateSink | None = None,
                  distribution: DistributionSource | None = None,
                  streams: Callable[[], StreamsSample] | None = None,
-                 training_present: Callable[[bool], Any] | None = None, tick: float = 0.1,
+                 training_present: Callable[[bool], Any] | None = None,
+                 bursts: BurstGate | None = None, tick: float = 0.1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self.controller = controller
@@ -119,6 +125,12 @@ class BackoffLoop:
         # only then); None until the first tick
         self.training_present = training_present
         self._present: bool | None = None
+        # the fast path's detector (agent.yielding.bursts): with it, bursts are its and the
+        # controller judges only sustained traffic and RDMA; None: the controller judges all
+        self.bursts = bursts
+        self.burst_state: BurstState | None = None
+        self.fast_path = "off"            # where the detector watches, or why it doesn't
+        self._bursts_at = 0
         self.streams: StreamsSample | None = None
         self.tick_s = max(MIN_TICK, float(tick))
         self._clock = clock
@@ -147,12 +159,19 @@ class BackoffLoop:
     def tick(self) -> Decision:
         """One tick: sample, decide, apply (sinks that failed last time are retried)."""
         now = self._clock()
+        gate, bursts, now_ns = self.bursts, None, 0
+        if gate is not None:
+            try:
+                bursts, now_ns = gate.state(), gate.clock_ns()
+            except Exception as e:   # the map gone under us: the controller judges all
+                self._note_error(f"reading the burst detector: {e}")
         with self._tune:
             # The link detector calls the distribution counters itself, between two reads of
             # the interface counters; a failure there is reported like any detector's.
             readings = self.detectors.sample(now, self.distribution)
             before = self.decision
-            decision = self.controller.step(readings, now)
+            judged = readings if bursts is None else slow_view(readings, bursts, now_ns)
+            decision = self.controller.step(judged, now)
         moved = before is None or before.rate_bps != decision.rate_bps
         for name, sink in self.sinks.items():
             # A sink that can say what it holds is trusted over the decision's history: someone
@@ -182,8 +201,9 @@ class BackoffLoop:
                 streams = self.streams_source()
             except Exception as e:
                 self._note_error(f"reading the pull sockets: {e}")
+        was_present = bool(self._present)   # what the tick that just ended ran under
         present = (decision.state != FULL or readings.training_connections > 0
-                   or bool(readings.nccl))
+                   or bool(readings.nccl) or (bursts is not None and bursts.recent(now_ns)))
         if self.training_present is not None and present != self._present:
             try:
                 self.training_present(present)
@@ -194,6 +214,7 @@ class BackoffLoop:
         busiest = max(readings.links, key=lambda r: r.other_bps, default=None)
         with self._lock:
             self.decision, self.readings, self.streams = decision, readings, streams
+            self.burst_state, self._bursts_at = bursts, now_ns
             self.history.append(Applied(now, decision.rate_bps, decision.state, decision.reason,
                                         decision.signals))
             self.ticks += 1
@@ -204,6 +225,7 @@ class BackoffLoop:
                 other_bps=None if busiest is None else busiest.other_bps,
                 distribution_bps=None if busiest is None else busiest.distribution_bps,
                 yielded=before is not None and before.state != FULL,
+                training=was_present,
                 over=busiest is not None
                 and busiest.other_bps >= self.controller.backoff.link_threshold)
             self._last_tick = now
@@ -261,6 +283,7 @@ class BackoffLoop:
             d, r, st = self.decision, self.readings, self.streams
             history = tuple(self.history)
             account = replace(self.account)
+            bursts, bursts_at = self.burst_state, self._bursts_at
         return BackoffStatus(
             state=d.state if d else "full",
             rate_bps=d.rate_bps if d else self.controller.cap,
@@ -283,6 +306,9 @@ class BackoffLoop:
             pull_window_bytes=st.window if st else None,
             history=history,
             account=account,
+            bursts=bursts,
+            bursts_at_ns=bursts_at,
+            fast_path=self.fast_path,
         )
 
     def _note_error(self, text: str) -> None:

@@ -38,6 +38,9 @@ class TokenBucket:
         self._tat = clock()
         self._generation = 0
         self._waiting = 0
+        # the fast path's cut (agent.yielding.bursts.BurstGate.hold): seconds a caller at the
+        # current rate waits before its next bytes; None: no fast path
+        self._hold: Callable[[int | None], float] | None = None
 
     @staticmethod
     def _check(bits_per_s: int | None) -> int | None:
@@ -55,6 +58,13 @@ class TokenBucket:
             self._rate = self._check(bits_per_s)
             self._tat = self._clock()
             self._generation += 1
+            self._cond.notify_all()
+
+    def hold_on(self, hold: Callable[[int | None], float] | None) -> None:
+        """While ``hold(rate)`` is positive, callers of :meth:`consume` wait that long before
+        booking (a burst on the link: the readers stop, their windows close). None: never."""
+        with self._cond:
+            self._hold = hold
             self._cond.notify_all()
 
     def chunk_size(self, largest: int, smallest: int = 16384) -> int:
@@ -82,6 +92,8 @@ class TokenBucket:
     def consume(self, n_bytes: int, stop: threading.Event | None = None) -> None:
         """Block until ``n_bytes`` may pass (or the rate changes, or ``stop`` is set)."""
         with self._cond:
+            if self._hold is not None and not self._held(stop):
+                return
             wait = self._reserve(n_bytes)
             if wait <= 0:
                 return
@@ -99,3 +111,18 @@ class TokenBucket:
                         return
             finally:
                 self._waiting -= 1
+
+    def _held(self, stop: threading.Event | None) -> bool:
+        """Waits out the fast path's cut (under the condition); False: ``stop`` was set."""
+        while self._hold is not None:
+            wait = self._hold(self._rate)
+            if wait <= 0:
+                return True
+            if stop is not None and stop.is_set():
+                return False
+            self._waiting += 1
+            try:
+                self._cond.wait(min(wait, 0.1))
+            finally:
+                self._waiting -= 1
+        return True

@@ -31,11 +31,14 @@ from typing import Any
 
 from agent.policy.model import Policy, Source
 from agent.yielding.backoff import BackoffLoop, Knob, cap_for
+from agent.yielding.bursts import BurstGate, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
 from agent.yielding.ratelimit import TokenBucket
 from agent.yielding.sockets import PullSockets
 from shaping import state
+from shaping.bpf import Detector
+from shaping.errors import ShapingError
 from shaping.observed import ClassStats, LinkCounters
 from shaping.plan import TcPlan
 from shaping.shaper import Shaper
@@ -73,6 +76,11 @@ class ShapingRuntime:
         self.notes: tuple[str, ...] = ()   # what the last apply said
         self.error: str | None = None      # the last periodic re-apply failed (degraded)
         self.repairs = 0                   # times a re-apply found the kernel changed
+        # the fast path (agent.yielding.bursts): the kernel's burst detector and the gate the
+        # pull's readers wait on; ``fast_path`` says where it watches, or why it is off
+        self.detector: Detector | None = None
+        self.gate: BurstGate | None = None
+        self.fast_path = "off: not started"
 
     # -- life ------------------------------------------------------------------------------
     def start(self) -> ShapingRuntime:
@@ -89,6 +97,7 @@ class ShapingRuntime:
             self.loop.stop(timeout)
             self.loop = None
         with self.lock:
+            self.stop_fast_path("off: stopped")
             if self.shaper is not None:
                 self.shaper.close()
 
@@ -108,10 +117,14 @@ class ShapingRuntime:
             self.loop.update(new, self.rate)
             if self.sockets is not None:
                 self.sockets.configure(new.backoff)
+            with self.lock:
+                self._start_fast_path(self.loop)
             return
         if self.loop is not None:
             self.loop.stop(2.0)
             self.loop = None
+        with self.lock:
+            self.stop_fast_path("off: reloading")
         if self.bucket is not None:
             self.bucket.set_rate(new.pulls.rate)
         self._start_loop()
@@ -133,6 +146,15 @@ class ShapingRuntime:
             self.error = message
             return
         self.error = None
+        if self.detector is not None:
+            try:
+                with self.lock:
+                    back = self.shaper.attach_detector(self.detector.fd, only_missing=True)
+            except ShapingError as e:
+                log.error("the burst detector is gone and can't be put back: %s", e)
+            else:
+                if back:
+                    log.warning("the burst detector was gone from %s; put back", ", ".join(back))
         if report.changed:
             self.repairs += 1
             log.warning("the kernel no longer had wagent's caps as planned (an interface "
@@ -236,7 +258,63 @@ class ShapingRuntime:
                            training_present=sockets.guard if sockets is not None else None,
                            tick=backoff.tick, clock=self.clock)
         loop.watching = (backoff, interfaces)
+        with self.lock:
+            self._start_fast_path(loop)
         self.loop = loop.start()
+
+    def _start_fast_path(self, loop: BackoffLoop) -> None:
+        """The kernel's burst detector on the shaped links' ingress, its settings from the
+        loop's (resolved) backoff, and the gate on the bucket; where it can't be (no ingress
+        tree, no bucket, a kernel or a process without BPF), the slow path alone, and
+        ``fast_path`` says why. Under ``lock``."""
+        settings = settings_for(loop.controller.backoff)
+        links = self.shaper.detector_links() if self.shaper is not None else []
+        why = ("off: backoff.burst_hold is null" if settings is None
+               else "off: no shaped ingress (shaping.interfaces, and sources to pull from)"
+               if not links else "off: no pulls to hold" if self.bucket is None else None)
+        if why is not None or settings is None or self.shaper is None:
+            self.stop_fast_path(why or "off")
+            loop.fast_path, loop.bursts = self.fast_path, None
+            return
+        try:
+            if self.detector is None:
+                self.detector = Detector(settings)
+                self.shaper.attach_detector(self.detector.fd)
+            else:
+                self.detector.configure(settings)
+        except ShapingError as e:
+            self.stop_fast_path(f"off: {e}")
+            log.warning("no fast path (the backoff loop's ticks alone yield to bursts): %s", e)
+            loop.fast_path, loop.bursts = self.fast_path, None
+            return
+        if self.gate is None or self.gate.values is not self.detector.values:
+            self.gate = BurstGate(self.detector.values, floor=lambda: loop.controller.floor)
+        else:
+            self.gate.floor = lambda: loop.controller.floor
+        assert self.bucket is not None
+        self.bucket.hold_on(self.gate.hold)
+        loop.bursts = self.gate
+        if self.fast_path != f"on: {', '.join(links)}":
+            log.info("fast path on: the burst detector watches %s", ", ".join(links))
+        self.fast_path = loop.fast_path = f"on: {', '.join(links)}"
+
+    def stop_fast_path(self, why: str) -> None:
+        """The gate off the bucket, the detector off the links and unloaded. Under ``lock``."""
+        self.fast_path = why
+        if self.loop is not None:
+            self.loop.fast_path, self.loop.bursts = why, None
+        if self.bucket is not None:
+            self.bucket.hold_on(None)
+        self.gate = None
+        if self.detector is None:
+            return
+        try:
+            if self.shaper is not None:
+                self.shaper.detach_detector()
+        except ShapingError as e:   # the next start replaces it; it only counts meanwhile
+            log.warning("the burst detector stays on the links until the next start: %s", e)
+        self.detector.close()
+        self.detector = None
 
 
 def _pull_bytes(ifname: str, sockets: PullSockets | None, bytes_read: Callable[[], int] | None
@@ -274,6 +352,8 @@ def around_pull(policy: Policy, bucket: Any, *, sockets: PullSockets | None,
     finally:
         if runtime.loop is not None:
             runtime.loop.stop()
+        with runtime.lock:
+            runtime.stop_fast_path("off: the pull ended")
         shaper = runtime.shaper
         if shaper is not None:
             try:

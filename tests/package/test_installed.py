@@ -1,6 +1,6 @@
 """The installed package as a fleet node runs it: /usr/bin/wagent (Debian's python3, Debian's
 packaged libraries, the modules dpkg put in /usr/share/wagent) as the `wagent` user holding
-CAP_NET_ADMIN and nothing else, on the testbed.
+CAP_NET_ADMIN and CAP_BPF and nothing else, on the testbed.
 
 packaging/check-deb.sh runs this right after `apt-get install ./wagent_*.deb`:
 
@@ -32,12 +32,13 @@ from tests.testbed import Host, Testbed
 
 INSTALLED = "/usr/bin/wagent"
 PRIVATE_DIR = Path("/usr/share/wagent")
-CAP_NET_ADMIN = 1 << 12
-# The service's identity, as wagent.service gives it: user wagent, CAP_NET_ADMIN in every set
-# (ambient, so it survives the exec), nothing else in the bounding set, no way to gain more.
+CAP_NET_ADMIN, CAP_BPF = 1 << 12, 1 << 39
+# The service's identity, as wagent.service gives it: user wagent, CAP_NET_ADMIN and CAP_BPF in
+# every set (ambient, so they survive the exec), nothing else in the bounding set, no way to gain
+# more.
 AS_WAGENT = ["setpriv", "--reuid", "wagent", "--regid", "wagent", "--init-groups",
-             "--inh-caps", "-all,+net_admin", "--ambient-caps", "-all,+net_admin",
-             "--bounding-set", "-all,+net_admin", "--no-new-privs"]
+             "--inh-caps", "-all,+net_admin,+bpf", "--ambient-caps", "-all,+net_admin,+bpf",
+             "--bounding-set", "-all,+net_admin,+bpf", "--no-new-privs"]
 CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8"}
 NOT_YET = "not implemented yet"
 
@@ -168,14 +169,14 @@ def sha256(path: Path) -> str:
 # --- without the testbed -----------------------------------------------------------------------
 
 
-def test_identity_is_wagent_with_net_admin_only(installed: str) -> None:
+def test_identity_is_wagent_with_net_admin_and_bpf_only(installed: str) -> None:
     status = subprocess.run([*AS_WAGENT, "grep", "-E", "^(Uid|Cap(Eff|Prm|Bnd|Amb)):",
                              "/proc/self/status"], capture_output=True, text=True, check=True)
     fields = dict(line.split(":", 1) for line in status.stdout.splitlines())
     uid = subprocess.run(["id", "-u", "wagent"], capture_output=True, text=True).stdout.strip()
     assert fields["Uid"].split()[0] == uid
     for cap in ("CapEff", "CapPrm", "CapBnd", "CapAmb"):
-        assert int(fields[cap], 16) == CAP_NET_ADMIN, f"{cap} = {fields[cap].strip()}"
+        assert int(fields[cap], 16) == CAP_NET_ADMIN | CAP_BPF, f"{cap} = {fields[cap].strip()}"
 
 
 def test_version_from_debian_python(installed: str) -> None:

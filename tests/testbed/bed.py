@@ -25,13 +25,19 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from agent.units import parse_rate
 from tests.testbed import owners
 from tests.testbed.hosts import Endpoint, Host, Link, stop_processes
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,11}$")
+
+# A bottleneck's leaf queue: "bfifo" holds 50 ms at the rate (a shallow switch queue), "pfifo"
+# holds PFIFO_PACKETS packets whatever their size (a deep-buffer switch: with veth's 64 KiB GSO
+# packets, up to 64 MiB, half a second at 1 Gbit/s).
+Leaf = Literal["bfifo", "pfifo"]
+PFIFO_PACKETS = 1000
 
 # Per-namespace settings: veth at 1-10 Gbit/s wants bigger socket buffers than the defaults, and
 # IPv6 addresses must be usable without waiting for duplicate address detection.
@@ -168,8 +174,11 @@ class Testbed:
         return host
 
     def connect(self, a: Host, b: Host, rate: str | int | None = None,
-                rate_back: str | int | None = None) -> Link:
-        """A veth pair between two hosts; `rate` caps a -> b, `rate_back` caps b -> a."""
+                rate_back: str | int | None = None, leaf: Leaf = "bfifo") -> Link:
+        """A veth pair between two hosts; `rate` caps a -> b, `rate_back` caps b -> a.
+
+        `leaf` is the caps' queue, as in shape().
+        """
         k = self._links
         self._links += 1
         net4 = f"10.{200 + k // 256}.{k % 256}"
@@ -182,9 +191,9 @@ class Testbed:
             ep.host.endpoints.append(ep)
         link = Link(ea, eb, to_bps(rate), to_bps(rate_back))
         if link.rate:
-            self.shape(a, ea.ifname, link.rate)
+            self.shape(a, ea.ifname, link.rate, leaf=leaf)
         if link.rate_back:
-            self.shape(b, eb.ifname, link.rate_back)
+            self.shape(b, eb.ifname, link.rate_back, leaf=leaf)
         self.links.append(link)
         return link
 
@@ -226,23 +235,30 @@ class Testbed:
         return ep
 
     def shape(self, host: Host, ifname: str, rate: str | int | None,
-              limit_bytes: int | None = None) -> None:
-        """A bottleneck: HTB root 1:, class 1:1 at `rate`, a bfifo leaf. Replaces any root qdisc.
+              limit_bytes: int | None = None, leaf: Leaf = "bfifo") -> None:
+        """A bottleneck: HTB root 1:, class 1:1 at `rate`, a `leaf` queue; replaces any root qdisc.
 
         Burst and cburst are explicit (1 ms at rate, at least 128 KiB, as veth hands over 64 KiB
         GSO packets), so high rates are accurate; the leaf holds 50 ms at rate (>= 2 MiB) so loss
-        stays rare.
+        stays rare. `leaf="pfifo"`: a pfifo of PFIFO_PACKETS packets instead, a deep-buffer
+        switch (`limit_bytes` is for the bfifo only).
         """
         bps = to_bps(rate)
         if not bps:
             raise ValueError("shape() needs a rate")
+        if leaf not in ("bfifo", "pfifo"):
+            raise ValueError(f"shape(): leaf {leaf!r}, not bfifo or pfifo")
+        if leaf == "pfifo" and limit_bytes is not None:
+            raise ValueError("shape(): limit_bytes sets a bfifo's limit, not a pfifo's")
         byte_rate = bps // 8
         burst = max(byte_rate // 1000, 128 << 10)
         limit = limit_bytes or min(max(byte_rate // 20, 2 << 20), 64 << 20)
         batch = (f"qdisc replace dev {ifname} root handle 1: htb default 1\n"
                  f"class add dev {ifname} parent 1: classid 1:1 htb rate {bps}bit ceil {bps}bit "
                  f"burst {burst}b cburst {burst}b quantum 60000\n"
-                 f"qdisc add dev {ifname} parent 1:1 handle 10: bfifo limit {limit}b\n")
+                 f"qdisc add dev {ifname} parent 1:1 handle 10: "
+                 + (f"bfifo limit {limit}b\n" if leaf == "bfifo"
+                    else f"pfifo limit {PFIFO_PACKETS}\n"))
         host.run(["tc", "-batch", "-"], input=batch)
 
     # --- servers and traffic (thin wrappers; the work is in nginx.py and traffic.py) -------

@@ -80,6 +80,9 @@ class CountingShaper:
     def plan(self):
         return build_plan(self.shaping, self.sources)
 
+    def detector_links(self):
+        return []
+
     def counters(self):
         return {"eth0": LinkCounters(0, 0)}
 

@@ -45,6 +45,9 @@ class FakeShaper:
         self.set_calls.append(bps)
         self.live = bps
 
+    def detector_links(self):
+        return []           # no ingress tree a kernel holds: no fast path here
+
     def counters(self):
         return {"eth0": LinkCounters(0, 0)}
 
