@@ -38,7 +38,7 @@ from typing import Any
 from agent.policy.model import Policy
 from agent.units import format_rate
 from agent.yielding.account import Account
-from agent.yielding.bursts import BurstGate, BurstState, slow_view
+from agent.yielding.bursts import BurstGate, BurstState, Sustained, slow_view
 from agent.yielding.controller import FULL, Controller, Decision
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.readings import Readings
@@ -129,6 +129,7 @@ class BackoffLoop:
         # controller judges only sustained traffic and RDMA; None: the controller judges all
         self.bursts = bursts
         self.burst_state: BurstState | None = None
+        self._sustained = Sustained()
         self.fast_path = "off"            # where the detector watches, or why it doesn't
         self._bursts_at = 0
         self.streams: StreamsSample | None = None
@@ -170,7 +171,8 @@ class BackoffLoop:
             # the interface counters; a failure there is reported like any detector's.
             readings = self.detectors.sample(now, self.distribution)
             before = self.decision
-            judged = readings if bursts is None else slow_view(readings, bursts, now_ns)
+            judged = readings if bursts is None else slow_view(
+                readings, self._sustained.see(bursts, now_ns))
             decision = self.controller.step(judged, now)
         moved = before is None or before.rate_bps != decision.rate_bps
         for name, sink in self.sinks.items():

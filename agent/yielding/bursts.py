@@ -17,8 +17,9 @@ the windows together stay under 3% of the smallest burst while the node trains. 
 ends the readers read again, the windows open in one step, and the sender, its congestion
 window intact, is back at its rate within a round trip: nothing to ramp.
 
-What stays with the slow path: sustained traffic (a cut that has lasted ``SUSTAINED``: a flow,
-not a burst) goes to the controller as before (floor, ``quiet``, ramp, the HTB ceil), and the
+What stays with the slow path: sustained traffic (cuts that held the pull for most of every
+tick over ``SUSTAINED``: a flow, not bursts; a flow's own gaps, a busy CPU's, may end one cut
+and start the next) goes to the controller as before (floor, ``quiet``, ramp, the HTB ceil), and the
 readers stop waiting for the cut once the bucket is at the floor, so the floor still flows;
 RDMA, which never passes tc. Presence alone (a training port's connection, a process mapping
 libnccl) no longer holds the pull at its floor: it bounds the windows (``PullSockets.guard``)
@@ -41,9 +42,12 @@ from agent.policy.model import Backoff
 from agent.yielding.detect.readings import Readings
 from shaping.bpf import BURSTS, CUT_START, CUT_UNTIL, FOREIGN, HELD, LEVEL, Settings
 
-# A cut that has lasted this long is a flow, not a burst: the controller takes it (floor,
-# quiet, ramp) and the readers stop waiting on the fast path once the bucket is at the floor.
+# Cuts that held the pull for at least SUSTAINED_SHARE of every tick over this long are a flow,
+# not bursts: the controller takes it (floor, quiet, ramp) and the readers stop waiting on the
+# fast path once the bucket is at the floor. Bursts every 0.5 s at 1 Gbit/s (0.2 s each) hold
+# one tick in two or three; a flow with gaps (CPU, pacing) longer than the hold, nearly all.
 SUSTAINED = 1.0
+SUSTAINED_SHARE = 0.5
 # The detector's bucket must hold this much before it cuts: more than one GRO aggregate (64 KB)
 # of someone's background flow, little next to a burst (1 ms at 1 Gbit/s).
 THRESHOLD_MIN = 128 * 1024
@@ -132,12 +136,29 @@ class BurstGate:
         return max(0, until - self.clock_ns()) / 1e9
 
 
-def slow_view(readings: Readings, state: BurstState | None, now_ns: int) -> Readings:
+class Sustained:
+    """Whether the cuts have held the pull for most of every tick over ``SUSTAINED`` seconds:
+    fed the detector's state once per tick (``see``), it says so (a flow: the slow path's)."""
+
+    def __init__(self) -> None:
+        self.run = 0.0                   # seconds of consecutive mostly-held ticks
+        self._last: tuple[int, float] | None = None   # (ns, held_s) at the last tick
+
+    def see(self, state: BurstState, now_ns: int) -> bool:
+        held = state.held_s(now_ns)
+        if self._last is not None and now_ns > self._last[0]:
+            dt = (now_ns - self._last[0]) / 1e9
+            mostly = held - self._last[1] >= SUSTAINED_SHARE * dt
+            self.run = self.run + dt if mostly else 0.0
+        self._last = (now_ns, held)
+        return self.run + 1e-6 >= SUSTAINED
+
+
+def slow_view(readings: Readings, sustained: bool) -> Readings:
     """What the controller judges when the fast path is on: the link's other traffic only
-    once a cut has lasted ``SUSTAINED`` (shorter ones are bursts, yielded to already), and
+    when it is ``sustained`` (``Sustained``; shorter cuts are bursts, yielded to already), and
     no presence signals (training ports, NCCL: they bound the windows instead). RDMA stays:
     it never passes the detector."""
-    sustained = state is not None and state.cut_for_s(now_ns) >= SUSTAINED
     links = readings.links if sustained else tuple(replace(r, other_bps=0.0)
                                                    for r in readings.links)
     return replace(readings, links=links, ports=(), nccl=())

@@ -442,8 +442,9 @@ class Bench:
                 self.stop_puller(puller, store)
             stop(sproc)
         times = [(b.started, b.started + b.seconds) for b in parse(out)]
-        during = [(a, z) for a, z in times if a < t_done and z > t_start]
-        b = Bursts([z - a for a, z in during])
+        # The burst figures are those that started into the pull ("first": the first one it
+        # met); the idle capacity counts every burst's time within the pull.
+        b = Bursts([z - a for a, z in times if t_start <= a < t_done])
         if rc is None:
             run.notes.append(f"until done {pattern.label}: {name} not done within "
                              f"{t_done - t_start:.0f} s")

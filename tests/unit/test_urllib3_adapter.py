@@ -199,6 +199,13 @@ def test_the_body_is_read_straight_into_a_buffer_and_its_connection_reused(serve
         r = s.get(srv.url, stream=True)
         readinto = adapter.readinto_of(r.raw)
         assert readinto is not None, relied_on("HTTPResponse._fp.readinto", "is gone")
+        # One receive per call, with http.client's own length and close kept by hand.
+        fp = r.raw._fp
+        assert isinstance(fp.length, int) and not fp.chunked, \
+            relied_on("http.client.HTTPResponse.length/chunked", "are not what they were")
+        assert callable(fp._close_conn) and callable(fp.fp.readinto1), \
+            relied_on("http.client.HTTPResponse._close_conn/fp.readinto1", "are gone")
+        assert readinto.__name__ == "readinto1", "the body is read a full buffer at a time"
         buf = bytearray(len(BODY))
         view, got = memoryview(buf), 0
         while got < len(BODY):
