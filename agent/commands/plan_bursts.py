@@ -4,8 +4,9 @@ node may not have, from the model of one bottleneck (``agent.yielding.burst_mode
 For each link rate: the bursts' slowdown beside the pull (the first, and the p50 and p99 of the
 rest, each over the burst alone) and the share of the idle capacity between bursts the pull
 used. The controller is wagent's own, with the policy's timing and windows (``backoff.tick``,
-``quiet``, ``decrease``, ``queue_budget``, ``smallest_burst``) and the shipped shares of each
-link (floor, threshold, increase); a row says whether the guarantee holds there (first <= 1.5x,
+``quiet``, ``decrease``, ``queue_budget``, ``smallest_burst``, ``burst_hold``: the fast path as
+shipped, or the ticks alone when it is null) and the shipped shares of each link (floor,
+threshold, increase); a row says whether the guarantee holds there (first <= 1.5x,
 p99 <= 1.05x) and whether the pull uses the gaps (at least half the idle capacity).
 
     wagent plan --policy policy.yaml --bursts 24MB@500ms
@@ -55,7 +56,7 @@ def backoff_for(policy: Policy) -> Backoff:
     b = policy.backoff
     return replace(Backoff(), enabled=b.enabled, tick=b.tick, quiet=b.quiet,
                    decrease=b.decrease, queue_budget=b.queue_budget,
-                   smallest_burst=b.smallest_burst)
+                   smallest_burst=b.smallest_burst, burst_hold=b.burst_hold)
 
 
 def model(policy: Policy, bursts: Bursts, rates: list[int], rtt: float

@@ -21,14 +21,27 @@ link detector makes): each ``tick`` it reads the training bytes that left the qu
 as other traffic on the link, and sets the rate. So the model runs the shipped parameters, not a
 copy of them.
 
+The fast path (``backoff.burst_hold``, ``agent.yielding.bursts``) is modelled as shipped: the
+kernel's leaky bucket (``settings_for``: drained at ``link_threshold``, 128 KiB deep) fed the
+training bytes as they leave the queue (they reach the node's ingress then); a full bucket cuts
+until ``burst_hold`` after the last byte that found it full; a cut stops the pull's reads, so what
+its windows granted still arrives and fills its buffers, then nothing (the windows are not
+changed: when the cut ends, reading resumes and they reopen in one step); the controller judges
+the bursts only when cuts hold most of every tick for a second (``Sustained``). ``FastPath``
+(issue 23's sketch: bins, a cut to the floor) replaces it when given; ``burst_hold: null`` models
+the ticks alone.
+
 The fluid approximation: bytes are continuous, time is stepped finely around each burst (at
 least ``FINE_STEPS`` steps in a burst's own time) and coarsely in the gaps. It ignores losses
 (a deep-buffer switch), the senders' own congestion control (the pull's window, not its cwnd,
 bounds it; a burst is at line rate), and the receiver's ACK delays.
 
 >>> from agent.policy.model import Backoff
+>>> r = simulate(Link(10**9, 50e-6), Bursts(24 * 10**6, 0.5, 10), Backoff(burst_hold=None))
+>>> round(r.slowdowns[0], 2) > 1.0, r.idle_used < 0.01    # ticks alone: the floor between bursts
+(True, True)
 >>> r = simulate(Link(10**9, 50e-6), Bursts(24 * 10**6, 0.5, 10), Backoff())
->>> round(r.slowdowns[0], 2) > 1.0, r.idle_used < 0.01    # the floor holds between bursts
+>>> r.p99 < 1.02, r.idle_used > 0.95                       # the fast path: the gaps are the pull's
 (True, True)
 """
 
@@ -40,6 +53,7 @@ import statistics
 from dataclasses import dataclass
 
 from agent.policy.model import Backoff
+from agent.yielding.bursts import BurstState, Sustained, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect.readings import LinkReading, Readings
 from agent.yielding.sockets import most_in_flight, window_for
@@ -116,6 +130,10 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
     fine = alone / FINE_STEPS
     coarse = tick / COARSE_PER_TICK
     rate = ctl.step(Readings(at=0.0), 0.0).rate_bps
+    # the shipped fast path: the kernel's bucket (bytes), its depth, drain (bytes/s) and hold
+    shipped = settings_for(ctl.backoff) if fast is None else None
+    level, cut_held, held_total = 0.0, 0.0, 0.0
+    sustained = Sustained()
     w = window_total(rate, path, backoff)              # what the receiver allows now
     w_eff = w                                          # what the sender may have in flight
     fast_cut = False
@@ -142,8 +160,9 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
 
     while t < end:
         busy = to_send > 0 or in_flight_burst > 0
-        dt = fine if busy or (fast is not None and fast_cut) else coarse
-        if fast is not None and t < hold_until + fine:
+        detecting = fast is not None or shipped is not None
+        dt = fine if busy or (detecting and fast_cut) else coarse
+        if detecting and t < hold_until + fine:
             dt = fine
         nxt = min(t + dt, next_tick, next_bin, starts[k] if k < len(starts) else math.inf,
                   cut_at, end)
@@ -187,15 +206,25 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                 finish = t + dt * min(1.0, frac)
                 done.append((finish - started_at) / alone)
                 in_flight_burst = 0.0
-        reading = ctl.floor if fast_cut else rate       # a cut holds the bucket too
+        if shipped is not None and fast_cut:
+            reading = 0.0                               # the readers wait out the cut
+            cut_held += dt
+        else:
+            reading = ctl.floor if fast_cut else rate   # a cut holds the bucket too
         unread = max(0.0, unread + out_pull - reading / 8 * dt)
+        if shipped is not None and dt > 0:
+            level = min(float(shipped.threshold),
+                        max(0.0, level - shipped.drain * dt) + out_burst)
+            if out_burst > 0 and level >= shipped.threshold:
+                hold_until = t + dt + shipped.hold_ns / 1e9
+                fast_cut = True
         tick_burst_bytes += out_burst
         bin_bytes += out_burst
         if start0 <= t < end:
             pull_bytes += out_pull
         # the granted window drains toward a lower one over a round trip
         rtt_now = path.base_rtt + qlen / c
-        target = floor_w if fast_cut else w
+        target = floor_w if fast_cut and fast is not None else w
         if target >= w_eff:
             w_eff = target
         elif dt > 0:
@@ -209,6 +238,12 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
             # With a fast path, bursts are its business: the slow path sees only sustained
             # traffic (none here).
             other = tick_burst_bytes * 8 / tick if fast is None else 0.0
+            if shipped is not None:
+                held_total += cut_held
+                cut_held = 0.0
+                flow = sustained.see(BurstState(0, 0, 0, 1, 0, int(held_total * 1e9)),
+                                     int(t * 1e9))
+                other = other if flow else 0.0
             link = LinkReading("model", other, other, 0.0, 0.0)
             rate = ctl.step(Readings(at=t, links=(link,)), t).rate_bps
             w = window_total(rate, path, backoff)
@@ -224,8 +259,8 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                 next_bin += fast.bin
             if t >= cut_at - 1e-12:
                 fast_cut, cut_at = True, math.inf
-            if fast_cut and t >= hold_until:
-                fast_cut = False
+        if detecting and fast_cut and t >= hold_until:
+            fast_cut = False
     idle = c * (end - start0) - bursts.size * len(done)
     return Outcome(tuple(done), pull_bytes / idle if idle > 0 else 0.0,
                    pull_bytes * 8 / (end - start0))
