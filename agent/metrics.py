@@ -286,6 +286,8 @@ def _backoff(b: BackoffInfo) -> Iterator[Metric]:
             "to the next (bursts shorter than a tick may go unseen)", value=b.bursts)
     yield c("wagent_backoff_cut_seconds", "Time the fast path held the pull's readers for "
             "bursts", value=b.cut_s)
+    yield c("wagent_backoff_anticipated", "Periodic bursts the fast path stopped the pull for "
+            "before they came (agent/yielding/rhythm.py)", value=b.anticipated)
     yield g("wagent_backoff_fast_path", "1: the kernel's burst detector is on (status says "
             "where, or why not)", value=1.0 if b.fast_path.startswith("on") else 0.0)
     for key, value in sorted(b.readings.items()):

@@ -96,6 +96,7 @@ class BackoffStatus:
     bursts: BurstState | None = None
     bursts_at_ns: int = 0
     fast_path: str = "off"
+    anticipated: int = 0                # periodic bursts the readers were held for before they came
 
 
 class BackoffLoop:
@@ -311,7 +312,12 @@ class BackoffLoop:
             bursts=bursts,
             bursts_at_ns=bursts_at,
             fast_path=self.fast_path,
+            anticipated=self._anticipated(),
         )
+
+    def _anticipated(self) -> int:
+        gate = self.bursts
+        return gate.rhythm.anticipated if gate is not None and gate.rhythm is not None else 0
 
     def _note_error(self, text: str) -> None:
         if text != self.last_error:

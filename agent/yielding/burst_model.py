@@ -53,7 +53,7 @@ import statistics
 from dataclasses import dataclass
 
 from agent.policy.model import Backoff
-from agent.yielding.bursts import BurstState, Sustained, settings_for
+from agent.yielding.bursts import BurstState, Sustained, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect.readings import LinkReading, Readings
 from agent.yielding.sockets import most_in_flight, window_for
@@ -119,9 +119,11 @@ def window_total(rate_bps: int | None, path: Link, backoff: Backoff) -> float:
 
 
 def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | None = None,
-             fast: FastPath | None = None, warmup: float = 1.0) -> Outcome:
+             fast: FastPath | None = None, warmup: float = 1.0,
+             anticipate: bool = True) -> Outcome:
     """The pull beside ``bursts``, its controller having run ``warmup`` seconds without them
-    (so it starts full, as a pull does when training begins)."""
+    (so it starts full, as a pull does when training begins). ``anticipate``: the shipped
+    fast path holds the readers before a periodic burst is due (``agent.yielding.rhythm``)."""
     c = path.rate_bps / 8                              # bytes/s
     cap = cap_bps or path.rate_bps
     ctl = Controller(backoff, cap, link_bps=path.rate_bps)
@@ -134,6 +136,8 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
     shipped = settings_for(ctl.backoff) if fast is None else None
     level, cut_held, held_total = 0.0, 0.0, 0.0
     sustained = Sustained()
+    rhythm = (rhythm_for(shipped, path.rate_bps, most_in_flight(backoff))
+              if shipped is not None and anticipate else None)
     w = window_total(rate, path, backoff)              # what the receiver allows now
     w_eff = w                                          # what the sender may have in flight
     fast_cut = False
@@ -164,8 +168,15 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
         dt = fine if busy or (detecting and fast_cut) else coarse
         if detecting and t < hold_until + fine:
             dt = fine
+        early_at = math.inf            # the next anticipation begins (the step must stop there)
+        if rhythm is not None:
+            for a, _due, b in rhythm.windows():
+                if a / 1e9 > t:
+                    early_at = min(early_at, a / 1e9)
+                elif t < b / 1e9:
+                    dt = fine
         nxt = min(t + dt, next_tick, next_bin, starts[k] if k < len(starts) else math.inf,
-                  cut_at, end)
+                  cut_at, end, early_at)
         dt = nxt - t
         if dt <= 0:
             dt = 0.0
@@ -206,9 +217,10 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                 finish = t + dt * min(1.0, frac)
                 done.append((finish - started_at) / alone)
                 in_flight_burst = 0.0
-        if shipped is not None and fast_cut:
+        early = rhythm is not None and not fast_cut and rhythm.wait_ns(int(t * 1e9)) > 0
+        if shipped is not None and (fast_cut or early):
             reading = 0.0                               # the readers wait out the cut
-            cut_held += dt
+            cut_held += dt if fast_cut else 0.0
         else:
             reading = ctl.floor if fast_cut else rate   # a cut holds the bucket too
         unread = max(0.0, unread + out_pull - reading / 8 * dt)
@@ -217,6 +229,8 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                         max(0.0, level - shipped.drain * dt) + out_burst)
             if out_burst > 0 and level >= shipped.threshold:
                 hold_until = t + dt + shipped.hold_ns / 1e9
+                if not fast_cut and rhythm is not None:
+                    rhythm.see(int((t + dt) * 1e9))
                 fast_cut = True
         tick_burst_bytes += out_burst
         bin_bytes += out_burst

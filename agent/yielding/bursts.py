@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 from agent.policy.model import Backoff
 from agent.yielding.detect.readings import Readings
+from agent.yielding.rhythm import Rhythm
 from shaping.bpf import BURSTS, CUT_START, CUT_UNTIL, FOREIGN, HELD, LEVEL, Settings
 
 # Cuts that held the pull for at least SUSTAINED_SHARE of every tick over this long are a flow,
@@ -112,17 +113,31 @@ def parse_state(values: bytes | memoryview) -> BurstState:
                       u64(HELD))
 
 
+def rhythm_for(settings: Settings, link_bps: int, most: int | None) -> Rhythm:
+    """The anticipation of periodic bursts (``agent.yielding.rhythm``) for a detector with
+    ``settings`` on a link of ``link_bps`` whose pull windows hold at most ``most`` bytes: the
+    readers stop early enough for what the windows granted to drain and for the bucket's
+    filling (the cut's start lags the burst's first byte by it), plus a millisecond."""
+    per_byte = 8e9 / link_bps                                  # ns per byte at the link's rate
+    fill = int(settings.threshold * per_byte)
+    drain = int((most or settings.threshold) * per_byte)
+    return Rhythm(lead_ns=1_000_000 + fill + drain, grace_ns=1_000_000 + fill)
+
+
 class BurstGate:
     """The readers' and the backoff loop's view of the detector's map.
 
     ``values``: the map's memory (``shaping.bpf.Detector.values``); ``floor``: the rate under
-    which the readers no longer wait on a cut (the slow path took over, see the docstring)."""
+    which the readers no longer wait on a cut (the slow path took over, see the docstring);
+    ``rhythm``: periodic bursts anticipated from the cuts' starts (None: never)."""
 
     def __init__(self, values: memoryview, floor: Callable[[], int],
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock_ns: Callable[[], int] = time.monotonic_ns,
+                 rhythm: Rhythm | None = None) -> None:
         self.values = values
         self.floor = floor
         self.clock_ns = clock_ns
+        self.rhythm = rhythm
 
     def state(self) -> BurstState:
         return parse_state(self.values)
@@ -131,9 +146,14 @@ class BurstGate:
         """For ``TokenBucket``: seconds a reader at ``rate_bps`` waits before its next chunk."""
         if rate_bps is not None and rate_bps <= self.floor():
             return 0.0
-        # only the cut's end is read: one unpack, no allocation beyond it
+        # two fields of the map, read in place: no system call
         until = _U64.unpack_from(self.values, CUT_UNTIL)[0]
-        return max(0, until - self.clock_ns()) / 1e9
+        now = self.clock_ns()
+        wait = until - now
+        if self.rhythm is not None:
+            self.rhythm.see(_U64.unpack_from(self.values, CUT_START)[0])
+            wait = max(wait, self.rhythm.wait_ns(now))
+        return max(0, wait) / 1e9
 
 
 class Sustained:

@@ -31,11 +31,11 @@ from typing import Any
 
 from agent.policy.model import Policy, Source
 from agent.yielding.backoff import BackoffLoop, Knob, cap_for
-from agent.yielding.bursts import BurstGate, settings_for
+from agent.yielding.bursts import BurstGate, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
 from agent.yielding.ratelimit import TokenBucket
-from agent.yielding.sockets import PullSockets
+from agent.yielding.sockets import PullSockets, most_in_flight
 from shaping import state
 from shaping.bpf import Detector
 from shaping.errors import ShapingError
@@ -287,10 +287,18 @@ class ShapingRuntime:
             log.warning("no fast path (the backoff loop's ticks alone yield to bursts): %s", e)
             loop.fast_path, loop.bursts = self.fast_path, None
             return
+        link = loop.controller.link or loop.controller.cap
+        most = most_in_flight(loop.controller.backoff)
         if self.gate is None or self.gate.values is not self.detector.values:
-            self.gate = BurstGate(self.detector.values, floor=lambda: loop.controller.floor)
+            self.gate = BurstGate(self.detector.values, floor=lambda: loop.controller.floor,
+                                  rhythm=rhythm_for(settings, link, most))
         else:
             self.gate.floor = lambda: loop.controller.floor
+            old = self.gate.rhythm
+            self.gate.rhythm = rhythm_for(settings, link, most)
+            if old is not None:     # a reload: the starts seen and the count carry on
+                self.gate.rhythm.starts.extend(old.starts)
+                self.gate.rhythm.anticipated = old.anticipated
         assert self.bucket is not None
         self.bucket.hold_on(self.gate.hold)
         loop.bursts = self.gate
