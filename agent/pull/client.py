@@ -19,7 +19,7 @@ request's socket from the moment a pool hands the connection out, before any hea
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 from urllib.parse import quote
 
@@ -132,7 +132,8 @@ class Client:
             self._unwatch(w)
 
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
-               total: int | None = None, meter: Meter | None = None
+               total: int | None = None, meter: Meter | None = None,
+               fine: Callable[[], bool] | None = None
                ) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
 
@@ -143,6 +144,9 @@ class Client:
         the whole new file, which raises ChangedError (never mixed with the old bytes).
 
         ``meter``: times each read of the body; its ``abort`` is set to break a blocked read.
+
+        ``fine``: asked before each read; True: take what one receive gives, not a full chunk
+        (the fast path holds readers between reads: ``TokenBucket.reads_finely``).
         """
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
         if etag and not etag.startswith("W/"):
@@ -164,16 +168,20 @@ class Client:
             raise
         if meter is not None:
             meter.abort = lambda: _shut_down(r)
-        return new_etag, self._body(r, url, size, chunk, meter, w)
+        return new_etag, self._body(r, url, size, chunk, meter, w, fine)
 
     def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
-              w: Watch) -> Generator[memoryview, None, None]:
+              w: Watch, fine: Callable[[], bool] | None = None
+              ) -> Generator[memoryview, None, None]:
         """The body in chunks, each a view of one buffer reused for the next (use it at once).
 
         The bytes are read straight from http.client's response into that buffer when urllib3
-        exposes it (``adapter.readinto_of``: no per-chunk allocation).
+        exposes it (``adapter.readinto_of``: no per-chunk allocation): a full chunk per read,
+        or, while ``fine()`` says so, what one receive gives (``adapter.readinto1_of``; more
+        reads for the same bytes, so only while a burst may need the reader to stop).
         """
-        readinto = adapter.readinto_of(r.raw)
+        whole = adapter.readinto_of(r.raw)
+        one = adapter.readinto1_of(r.raw) if fine is not None else None
         buf = memoryview(bytearray(min(chunk, size)))
         complete = False
         try:
@@ -182,6 +190,7 @@ class Client:
                 want = min(len(buf), left)
                 if meter is not None:
                     meter.begin(want)
+                readinto = one if one is not None and fine is not None and fine() else whole
                 try:
                     if readinto is not None:
                         n = readinto(buf[:want])

@@ -122,23 +122,31 @@ class PoolsAdapter(HTTPAdapter):
 
 # -- 3: the response's body and connection -----------------------------------------------------
 def readinto_of(raw: Any) -> Callable[[memoryview], int] | None:
-    """A ``readinto`` of ``raw``'s body (a urllib3 response) when it is framed by
+    """http.client's own ``readinto`` of ``raw`` (a urllib3 response) when its body is framed by
     Content-Length: the bytes go straight into the caller's buffer (urllib3's own read copies
-    every chunk once more), and each call returns what one receive gave (at most one
-    ``recv`` on the socket, as ``readinto1``), not a full buffer: a reader that stops between
-    two calls (the fast path's cut, ``agent.yielding.bursts``) has taken at most what was
-    already there, so its socket's buffer fills and its window closes within one window.
-    http.client's own ``readinto`` loops until the buffer is full (a megabyte per call, whatever
-    the window). The length and the close at the end are kept as ``HTTPResponse.readinto``
-    keeps them (CPython 3.11 to 3.13), so the connection goes back to its pool clean. None
-    otherwise (read it with ``raw.read``)."""
+    every chunk once more), the buffer filled whole (a loop in C over as many receives as it
+    takes); None otherwise (read it with ``raw.read``)."""
+    if raw.headers.get("Content-Length") is None:
+        return None
+    return getattr(getattr(raw, "_fp", None), "readinto", None)
+
+
+def readinto1_of(raw: Any) -> Callable[[memoryview], int] | None:
+    """The same, but each call returns what one receive gave (at most one ``recv`` on the
+    socket, as ``readinto1``), not a full buffer: a reader that stops between two calls (the
+    fast path's cut, ``agent.yielding.bursts``) has taken at most what was already there, so
+    its socket's buffer fills and its window closes within one window (with ``readinto``, 8
+    readers held only between megabytes carried on through the first 150 ms of a 200 ms
+    burst). The length and the close at the end are kept as ``HTTPResponse.readinto`` keeps
+    them (CPython 3.11 to 3.13), so the connection goes back to its pool clean. None: not a
+    body this can read (read it with ``readinto_of``)."""
     if raw.headers.get("Content-Length") is None:
         return None
     resp = getattr(raw, "_fp", None)
     fp = getattr(resp, "fp", None)
     if (getattr(resp, "chunked", True) or not isinstance(getattr(resp, "length", None), int)
             or not hasattr(fp, "readinto1") or not hasattr(resp, "_close_conn")):
-        return getattr(resp, "readinto", None)
+        return None
 
     def readinto1(b: memoryview) -> int:
         if resp.fp is None:

@@ -41,6 +41,7 @@ class TokenBucket:
         # the fast path's cut (agent.yielding.bursts.BurstGate.hold): seconds a caller at the
         # current rate waits before its next bytes; None: no fast path
         self._hold: Callable[[int | None], float] | None = None
+        self._fine = False               # readers take what one receive gives (see read_finely)
 
     @staticmethod
     def _check(bits_per_s: int | None) -> int | None:
@@ -66,6 +67,15 @@ class TokenBucket:
         with self._cond:
             self._hold = hold
             self._cond.notify_all()
+
+    def read_finely(self, fine: bool) -> None:
+        """Whether readers should take what one receive gives rather than a full chunk: while
+        training is on the node and the fast path may hold them between two reads (a full
+        chunk read goes on for a megabyte whatever the cut; small reads cost CPU)."""
+        self._fine = fine
+
+    def reads_finely(self) -> bool:
+        return self._fine and self._hold is not None
 
     def chunk_size(self, largest: int, smallest: int = 16384) -> int:
         """Bytes worth reading per step: about 1/20 s of the current rate, within the bounds."""

@@ -90,6 +90,16 @@ def test_the_bucket_waits_out_a_cut_then_books():
     assert time.monotonic() - started < 0.04
 
 
+def test_readers_read_finely_only_while_training_and_the_fast_path_is_on():
+    bucket = TokenBucket(None)
+    bucket.read_finely(True)
+    assert not bucket.reads_finely()                # no fast path: whole chunks
+    bucket.hold_on(lambda rate: 0.0)
+    assert bucket.reads_finely()
+    bucket.read_finely(False)                       # no training: whole chunks (less CPU)
+    assert not bucket.reads_finely()
+
+
 def test_a_stop_ends_the_wait_for_a_cut():
     bucket = TokenBucket(None)
     bucket.hold_on(lambda rate: 60.0)
