@@ -360,16 +360,16 @@ class Transfer:
         meter = Meter(self.s.floor, self.clock, key, f"{f.path} bytes {offset}+{size}") \
             if self.s.floor.enabled else None
         try:
-            fine = self.bucket.reads_finely if self.bucket is not None else None
+            pause = self.bucket.paused if self.bucket is not None else None
             new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size,
-                                           meter=meter, fine=fine)
+                                           meter=meter, pause=pause)
         except ChangedError as e:
             # Not the ETag recorded for the file: it changed, or the source is backends with
             # an ETag each for the same bytes. The pieces' sha256 tell which, so this costs no
             # verified piece: the request goes again, without If-Range.
             self._ignore_etags(si, f"{f.path}: ETag {etag} -> {e.etag}")
             new_etag, body = client.ranged(url, offset, size, None, chunk, total=f.size,
-                                           meter=meter, fine=fine)
+                                           meter=meter, pause=pause)
         if new_etag and not etag and trusted:
             # Another stream may have recorded the file's ETag since this request left.
             known = f.partial.record_etag(key, new_etag)

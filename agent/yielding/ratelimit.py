@@ -41,7 +41,6 @@ class TokenBucket:
         # the fast path's cut (agent.yielding.bursts.BurstGate.hold): seconds a caller at the
         # current rate waits before its next bytes; None: no fast path
         self._hold: Callable[[int | None], float] | None = None
-        self._fine = False               # readers take what one receive gives (see read_finely)
 
     @staticmethod
     def _check(bits_per_s: int | None) -> int | None:
@@ -68,14 +67,11 @@ class TokenBucket:
             self._hold = hold
             self._cond.notify_all()
 
-    def read_finely(self, fine: bool) -> None:
-        """Whether readers should take what one receive gives rather than a full chunk: while
-        training is on the node and the fast path may hold them between two reads (a full
-        chunk read goes on for a megabyte whatever the cut; small reads cost CPU)."""
-        self._fine = fine
-
-    def reads_finely(self) -> bool:
-        return self._fine and self._hold is not None
+    def paused(self) -> bool:
+        """The fast path holds readers now: one filling a chunk hands over what it has (and
+        waits in :meth:`consume`)."""
+        with self._cond:
+            return self._hold is not None and self._hold(self._rate) > 0
 
     def chunk_size(self, largest: int, smallest: int = 16384) -> int:
         """Bytes worth reading per step: about 1/20 s of the current rate, within the bounds."""

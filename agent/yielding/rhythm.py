@@ -50,12 +50,14 @@ class Rhythm:
         self.starts: deque[int] = deque(maxlen=KEEP)
         self.anticipated = 0             # due starts the readers were held for
         self._due = 0                    # the last one counted
+        self._windows: list[tuple[int, int, int]] | None = None   # until the next start
 
     def see(self, start_ns: int) -> None:
         """A cut's start (seen again and again while it lasts: counted once)."""
         if start_ns <= 0 or (self.starts and start_ns <= self.starts[-1]):
             return
         self.starts.append(start_ns)
+        self._windows = None
 
     def period_ns(self) -> int | None:
         """The steady period of the last starts; None: no rhythm."""
@@ -71,15 +73,20 @@ class Rhythm:
         return period
 
     def windows(self) -> list[tuple[int, int, int]]:
-        """(from, due, until) of each start anticipated, in ns; empty: no rhythm."""
+        """(from, due, until) of each start anticipated, in ns; empty: no rhythm. Worked out
+        once per start: the readers ask before every read."""
+        if self._windows is not None:
+            return self._windows
         period = self.period_ns()
         if period is None:
-            return []
+            self._windows = []
+            return self._windows
         s = list(self.starts)
         spread = max(abs((b - a) - period) for a, b in zip(s, s[1:], strict=False))
         lead, grace = self.lead_ns + spread, self.grace_ns + spread
-        return [(s[-1] + k * period - lead, s[-1] + k * period, s[-1] + k * period + grace)
-                for k in range(1, AHEAD + 1)]
+        self._windows = [(s[-1] + k * period - lead, s[-1] + k * period,
+                          s[-1] + k * period + grace) for k in range(1, AHEAD + 1)]
+        return self._windows
 
     def wait_ns(self, now_ns: int) -> int:
         """How long a reader waits now for a burst that is due (0: none due)."""

@@ -255,20 +255,12 @@ class ShapingRuntime:
                            set_windows=sockets.set_rate if sockets is not None else None,
                            distribution=distribution,
                            streams=sockets.sample if sockets is not None else None,
-                           training_present=self._training_present,
+                           training_present=sockets.guard if sockets is not None else None,
                            tick=backoff.tick, clock=self.clock)
         loop.watching = (backoff, interfaces)
         with self.lock:
             self._start_fast_path(loop)
         self.loop = loop.start()
-
-    def _training_present(self, present: bool) -> None:
-        """The loop says training is (or is no longer) on the node: the pull sockets bound
-        their windows, and the readers read finely while the fast path may hold them."""
-        if self.sockets is not None:
-            self.sockets.guard(present)
-        if self.bucket is not None:
-            self.bucket.read_finely(present)
 
     def _start_fast_path(self, loop: BackoffLoop) -> None:
         """The kernel's burst detector on the shaped links' ingress, its settings from the
@@ -305,7 +297,8 @@ class ShapingRuntime:
             old = self.gate.rhythm
             self.gate.rhythm = rhythm_for(settings, link, most)
             if old is not None:     # a reload: the starts seen and the count carry on
-                self.gate.rhythm.starts.extend(old.starts)
+                for start in old.starts:
+                    self.gate.rhythm.see(start)
                 self.gate.rhythm.anticipated = old.anticipated
         assert self.bucket is not None
         self.bucket.hold_on(self.gate.hold)

@@ -90,14 +90,14 @@ def test_the_bucket_waits_out_a_cut_then_books():
     assert time.monotonic() - started < 0.04
 
 
-def test_readers_read_finely_only_while_training_and_the_fast_path_is_on():
+def test_the_bucket_says_when_readers_are_paused():
     bucket = TokenBucket(None)
-    bucket.read_finely(True)
-    assert not bucket.reads_finely()                # no fast path: whole chunks
-    bucket.hold_on(lambda rate: 0.0)
-    assert bucket.reads_finely()
-    bucket.read_finely(False)                       # no training: whole chunks (less CPU)
-    assert not bucket.reads_finely()
+    assert not bucket.paused()                      # no fast path
+    wait = [0.01]
+    bucket.hold_on(lambda rate: wait[0])
+    assert bucket.paused()
+    wait[0] = 0.0
+    assert not bucket.paused()
 
 
 def test_a_stop_ends_the_wait_for_a_cut():
@@ -179,3 +179,20 @@ def test_with_the_fast_path_training_present_bounds_the_windows_but_keeps_the_ra
     # without the fast path, the same ticks back off to the floor
     loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, clock=lambda: clock[0])
     assert loop.tick().state != FULL
+
+
+def test_a_chunk_is_filled_receive_by_receive_and_handed_over_at_a_pause():
+    from agent.pull.client import _fill
+
+    received = [b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 10]
+
+    def one(view: memoryview) -> int:
+        data = received.pop(0)[:len(view)] if received else b""
+        view[:len(data)] = data
+        return len(data)
+
+    buf = memoryview(bytearray(100))
+    assert _fill(one, buf, 25, lambda: False) == 25             # full: three receives
+    assert bytes(buf[:25]) == b"a" * 10 + b"b" * 10 + b"c" * 5
+    assert _fill(one, buf, 100, lambda: True) == 10             # paused: the one receive only
+    assert _fill(one, buf, 100, lambda: False) == 0             # the body ended
