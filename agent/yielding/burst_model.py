@@ -155,6 +155,7 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
     in_flight_burst = 0.0                  # its bytes sent, not out of the queue yet
     started_at = 0.0
     done: list[float] = []
+    eps = 1e-6 + 1e-9 * bursts.size       # what float sums of a burst's steps leave over
     tick_burst_bytes = 0.0                 # training bytes out of the queue this tick
     bin_bytes, next_bin, hold_until, cut_at = 0.0, math.inf, -math.inf, math.inf
     if fast is not None:
@@ -211,7 +212,7 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                 queue.popleft()
         if in_flight_burst > 0 and out_burst > 0:
             in_flight_burst -= out_burst
-            if in_flight_burst <= 1e-6 and to_send <= 0:
+            if in_flight_burst <= eps and to_send <= 0:
                 # the burst's last byte left within this step: place it by the share it had
                 frac = 1.0 if out_burst + out_pull <= 0 else out_burst / (out_burst + out_pull)
                 finish = t + dt * min(1.0, frac)

@@ -3,10 +3,10 @@
 Issue 12's table (and issue 23's burst rows), in one run, with wagent's SHIPPED DEFAULTS ONLY:
 the policy names the interface, the link's rate and ``training_ports: [29500]``, as a user writes
 it. On the testbed: an origin serving a generated model with nginx, a 1 Gbit/s bottleneck
-upstream of the pulling node (HTB and a queue on the origin's egress: a switch queue the node's
-own caps can't reach; ``--queue shallow``, the default, is a 50 ms bfifo, ``--queue deep`` a pfifo
-of 1000 packets, up to 64 MB), iperf3 servers and a burst sender on the origin, so training data
-flows origin -> node like the pull's.
+(``--link``) upstream of the pulling node (HTB and a queue on the origin's egress: a switch queue
+the node's own caps can't reach; ``--queue shallow``, the default, is a 50 ms bfifo, ``--queue
+deep`` a pfifo of 1000 packets, up to 64 MB), iperf3 servers and a burst sender on the origin, so
+training data flows origin -> node like the pull's.
 
 Each scenario runs with three pullers beside it, each started afresh (its own store):
 
@@ -70,7 +70,8 @@ if str(REPO) not in sys.path:
 
 from tests.backoff_helpers import SHIPPED_POLICY  # noqa: E402
 
-LINK = 10**9
+LINK = 10**9                     # --link
+LINK_TEXT = "1gbit"              # as the policy says it
 DIST_PORT = 8080
 LISTED, UNLISTED, BURST_PORT = 29500, 41000, 41001
 TRAINING_PORTS = (LISTED, UNLISTED, BURST_PORT)
@@ -339,6 +340,7 @@ class Bench:
         else:
             state = Path(tempfile.mkdtemp(prefix="state-", dir=self.shm))
             text = SHIPPED_POLICY.format(store=store, ifname=self.link.b.ifname, state=state)
+            text = text.replace("link_rate: 1gbit", f"link_rate: {LINK_TEXT}")
             if name == "backoff off":
                 text = text.replace("backoff:\n", "backoff:\n  enabled: false\n")
             policy = self.policy = state / "policy.yaml"
@@ -608,7 +610,7 @@ class Results:
     def print(self) -> None:
         from agent.units import format_rate
 
-        print(f"\nYield on a 1 Gbit/s bottleneck upstream of the node, queue: "
+        print(f"\nYield on a {format_rate(LINK)} bottleneck upstream of the node, queue: "
               f"{QUEUES[self.queue][1]} ({self.queue}), senders' congestion control: {self.cc}; "
               f"wagent with the shipped defaults\n")
         print("| scenario | target | wagent | aria2c -j8 beside | wagent, backoff off |")
@@ -676,14 +678,18 @@ def main() -> int:
     ap.add_argument("--until-done", action="store_true",
                     help=f"bursts until the pull is done (at most {UNTIL_DONE_CAP:g} s): its "
                          "time vs the model over the idle capacity")
+    ap.add_argument("--link", default="1gbit",
+                    help="the bottleneck's rate, also the policy's link_rate (default 1gbit)")
     ap.add_argument("--sampler", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = ap.parse_args()
     if args.sampler:
         sampler(SAMPLE_EVERY)
         return 0
-    from agent.units import parse_size
+    from agent.units import parse_rate, parse_size
 
+    global LINK, LINK_TEXT
+    LINK, LINK_TEXT = parse_rate(args.link), args.link
     scenarios = [s for s in SCENARIOS if s in (args.scenarios or SCENARIOS)]
     if args.until_done and "bursts" not in scenarios:
         ap.error("--until-done is for the bursts scenario")

@@ -65,6 +65,18 @@ def test_the_shipped_fast_path_takes_the_gaps_and_keeps_the_bursts():
     assert hundred.idle_used == pytest.approx(0.19, abs=0.03)
 
 
+def test_periodic_bursts_are_anticipated_once_their_rhythm_is_known():
+    """6 MB every 0.12 s: detected, a burst meets what the windows granted and what the bucket
+    let through (1.05x at 1 Gbit/s); anticipated from the sixth on, nothing (1.002x), at any
+    rate (a burst of 0.5 ms at 100 Gbit/s too)."""
+    for rate in (G, 100 * G):
+        r = simulate(Link(rate, 50e-6), Bursts(6 * MB, 0.12, 12), Backoff())
+        assert max(r.slowdowns[5:]) < 1.01 < min(r.slowdowns[:5]), r.slowdowns
+        plain = simulate(Link(rate, 50e-6), Bursts(6 * MB, 0.12, 12), Backoff(),
+                         anticipate=False)
+        assert min(plain.slowdowns[5:]) > 1.01
+
+
 def test_the_windows_are_the_pull_sockets_own():
     b = Backoff()
     link = Link(10 * G, 50e-6)
