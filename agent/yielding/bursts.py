@@ -6,8 +6,10 @@ The slow path (the controller, ``agent.yielding.controller``) works on 100 ms ti
 away, and once it has seen one it holds the pull at its floor for ``quiet`` (3 s), which bursts
 every half second make forever. Here the kernel does the seeing (``shaping.bpf``: a leaky bucket
 of the link's foreign bytes, per packet, on the ingress hook), and the pull's readers do the
-yielding: each reader, before it takes its next chunk (``TokenBucket.consume``), reads the
-detector's map (memory shared with the kernel: no system call) and, while a cut lasts, waits.
+yielding: each reader, between two receives into its chunk (``TokenBucket.paused``) and before
+it books it (``TokenBucket.consume``), reads the detector's map (memory shared with the kernel:
+no system call) and, while a cut lasts, hands over what it has and waits. Bursts that come at a
+steady period are waited for too, from just before the next is due (``agent.yielding.rhythm``).
 
 Why stopping the readers is a cut that holds within a round trip: the pull sockets' receive
 buffers are sized to their windows (``agent.yielding.sockets``), so a reader that stops leaves
@@ -19,16 +21,16 @@ window intact, is back at its rate within a round trip: nothing to ramp.
 
 What stays with the slow path: sustained traffic (cuts that held the pull for most of every
 tick over ``SUSTAINED``: a flow, not bursts; a flow's own gaps, a busy CPU's, may end one cut
-and start the next) goes to the controller as before (floor, ``quiet``, ramp, the HTB ceil), and the
-readers stop waiting for the cut once the bucket is at the floor, so the floor still flows;
+and start the next) goes to the controller as before (floor, ``quiet``, ramp, the HTB ceil),
+and the readers stop waiting for the cut once the bucket is at the floor, so the floor flows;
 RDMA, which never passes tc. Presence alone (a training port's connection, a process mapping
 libnccl) no longer holds the pull at its floor: it bounds the windows (``PullSockets.guard``)
 and the fast path yields to what that training actually sends.
 
 >>> s = BurstState(level=0, cut_until_ns=2_000_000, cut_start_ns=1_000_000, bursts=1,
 ...                foreign_bytes=300_000, held_ns=0)
->>> s.wait_s(1_500_000), s.cut_for_s(1_500_000), s.held_s(9_000_000)
-(0.0005, 0.0005, 0.001)
+>>> s.wait_s(1_500_000), s.held_s(9_000_000)
+(0.0005, 0.001)
 """
 
 from __future__ import annotations
@@ -89,10 +91,6 @@ class BurstState:
     def wait_s(self, now_ns: int) -> float:
         """Seconds until the cut ends (0: no cut now)."""
         return max(0, self.cut_until_ns - now_ns) / 1e9
-
-    def cut_for_s(self, now_ns: int) -> float:
-        """How long the cut going on now has lasted (0: none)."""
-        return (now_ns - self.cut_start_ns) / 1e9 if now_ns < self.cut_until_ns else 0.0
 
     def held_s(self, now_ns: int) -> float:
         """Seconds the cuts held the pull, the one going on included."""

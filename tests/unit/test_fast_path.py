@@ -61,7 +61,6 @@ def test_the_map_read_as_a_state():
                            foreign=9000, held=7 * MS))
     assert (s.level, s.bursts, s.foreign_bytes) == (5, 3, 9000)
     assert s.wait_s(20 * MS) == 0.01 and s.wait_s(40 * MS) == 0.0
-    assert s.cut_for_s(20 * MS) == 0.01 and s.cut_for_s(40 * MS) == 0.0
     assert s.held_s(20 * MS) == 0.017 and s.held_s(40 * MS) == 0.027
     assert s.recent(5 * 10**9) and not s.recent(11 * 10**9)
     assert not BurstState(0, 0, 0, 0, 0, 0).recent(1)
