@@ -233,6 +233,8 @@ class ShapingRuntime:
         if not backoff.enabled:
             if sockets is not None:
                 sockets.set_rate(None)
+            with self.lock:
+                self.stop_fast_path("off: backoff disabled")
             return
         interfaces = tuple(policy.shaping.interfaces)
         distribution: Callable[[], Mapping[str, LinkCounters] | None] | None = None

@@ -51,6 +51,7 @@ deleted at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -511,13 +512,24 @@ def start_sampler(node: object) -> tuple[subprocess.Popen, Path]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+    """Ends ``proc``'s whole process group: a puller's shell loop goes at once, the wagent it
+    runs a moment later (it cleans up on SIGTERM, and would recreate a store removed before)."""
+    try:
         os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        proc.poll()
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc.wait()
 
 
 # --- the table ---------------------------------------------------------------------------------
