@@ -36,6 +36,8 @@ from shaping.observed import (
     U32Key,
 )
 from shaping.plan import (
+    ETH_P_ALL,
+    INGRESS_HANDLE,
     Action,
     AddIngress,
     CreateIfb,
@@ -62,9 +64,7 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 SOL_NETLINK, NETLINK_EXT_ACK, NLMSGERR_ATTR_MSG = 270, 11, 1
 TC_ACT_STOLEN, TCA_EGRESS_REDIR = 4, 1
 TC_U32_TERMINAL = 1
-TC_H_INGRESS_PARENT = 0xFFFF0000        # filters of the ingress qdisc (handle ffff:)
 TCA_BPF_FLAG_ACT_DIRECT = 1
-ETH_P_ALL = 0x0003
 READ_SPAN, READ_ATTEMPTS = 0.0005, 3    # ingress counters: a read over 0.5 ms is redone
 LINKLAYER_ETHERNET = 1
 U32_MAX = 0xFFFFFFFF
@@ -377,13 +377,11 @@ class Netlink:
         self._tc(RTM_NEWTFILTER, flags, _u32_tc, self.index(device), flt.handle, flt.parent,
                  info, "u32", {"attrs": attrs}, what=f"u32 filter on {device}")
 
-    def has_filter(self, device: str, parent: int, pref: int) -> bool:
-        """A filter of any kind at ``pref`` under ``parent`` on ``device``."""
-        links = self.links()
-        if device not in links:
-            return False
+    def has_filter(self, index: int, parent: int, pref: int) -> bool:
+        """A filter of any kind at ``pref`` under ``parent`` on link ``index`` (tcmsg's info,
+        after the netlink header, carries the pref in its upper half)."""
         return any(struct.unpack_from("=I", raw, 16 + 16)[0] >> 16 == pref
-                   for raw in self._dump(RTM_GETTFILTER, links[device][0], parent))
+                   for raw in self._dump(RTM_GETTFILTER, index, parent))
 
     def attach_detector(self, device: str, fd: int, name: str, pref: int) -> None:
         """The burst detector (``shaping.bpf``) on ``device``'s ingress at ``pref``, in place of
@@ -392,7 +390,7 @@ class Netlink:
         self.detach_detector(device, pref)
         info = (pref << 16) | socket.htons(ETH_P_ALL)
         self._tc(RTM_NEWTFILTER, NLM_F_CREATE | NLM_F_EXCL, _bpf_tc, self.index(device), 1,
-                 TC_H_INGRESS_PARENT, info, "bpf",
+                 INGRESS_HANDLE, info, "bpf",
                  {"attrs": [["TCA_BPF_FD", fd], ["TCA_BPF_NAME", name],
                             ["TCA_BPF_FLAGS", TCA_BPF_FLAG_ACT_DIRECT]]},
                  what=f"burst detector on {device}")
@@ -400,7 +398,7 @@ class Netlink:
     def detach_detector(self, device: str, pref: int) -> None:
         """Removes the filters at ``pref`` on ``device``'s ingress; none there is no error."""
         try:
-            self._tc(RTM_DELTFILTER, 0, _tc, self.index(device), 0, TC_H_INGRESS_PARENT,
+            self._tc(RTM_DELTFILTER, 0, _tc, self.index(device), 0, INGRESS_HANDLE,
                      pref << 16, None, None, what=f"burst detector on {device}")
         except ShapingError as e:
             if e.code not in (errno.ENOENT, errno.EINVAL):

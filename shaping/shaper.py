@@ -21,7 +21,7 @@ from agent.policy.model import Shaping, Source
 from shaping import state
 from shaping.bpf import DETECTOR_NAME, DETECTOR_PREF
 from shaping.errors import ShapingError
-from shaping.netlink import TC_H_INGRESS_PARENT, Netlink
+from shaping.netlink import Netlink
 from shaping.observed import ClassStats, Device, LinkCounters, Qdisc
 from shaping.plan import (
     DIST_CLASS,
@@ -165,7 +165,7 @@ class Shaper:
         for name in self.detector_links():
             if name not in links:
                 continue
-            if only_missing and nl.has_filter(name, TC_H_INGRESS_PARENT, DETECTOR_PREF):
+            if only_missing and nl.has_filter(links[name][0], INGRESS_HANDLE, DETECTOR_PREF):
                 continue
             nl.attach_detector(name, fd, DETECTOR_NAME, DETECTOR_PREF)
             done.append(name)

@@ -183,7 +183,7 @@ class Client:
         first 150 ms of a 200 ms burst), while the work per chunk (hashing, writing, booking)
         stays once per chunk.
         """
-        whole = adapter.readinto_of(r.raw)
+        readinto = adapter.readinto_of(r.raw)
         one = adapter.readinto1_of(r.raw) if pause is not None else None
         buf = memoryview(bytearray(min(chunk, size)))
         complete = False
@@ -193,7 +193,6 @@ class Client:
                 want = min(len(buf), left)
                 if meter is not None:
                     meter.begin(want)
-                readinto = whole
                 try:
                     if one is not None and pause is not None:
                         n = _fill(one, buf, want, pause)
