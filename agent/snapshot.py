@@ -105,7 +105,7 @@ def backoff_info(parts: Parts, offset: float) -> BackoffInfo:
         yielded_s=st.account.yielded_s, idle_bytes=int(st.account.idle_bits / 8),
         pulled_bytes=int(st.account.pulled_bits / 8),
         bursts=st.account.bursts if st.bursts is None else st.bursts.bursts,
-        fast_path=st.fast_path, anticipated=st.anticipated, unannounced=st.unannounced,
+        fast_path=st.fast_path, anticipated=st.anticipated,
         cut_s=0.0 if st.bursts is None else st.bursts.held_s(st.bursts_at_ns))
 
 

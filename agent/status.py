@@ -126,7 +126,6 @@ class BackoffInfo:
     fast_path: str = "off"
     cut_s: float = 0.0
     anticipated: int = 0                # periodic bursts the readers stopped for before they came
-    unannounced: bool = False           # bursts come that no rhythm foretells: windows tightened
 
     @property
     def idle_used(self) -> float | None:
@@ -310,7 +309,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             "idle_bytes": s.backoff.idle_bytes, "pulled_bytes": s.backoff.pulled_bytes,
             "idle_used": s.backoff.idle_used,
             "fast_path": s.backoff.fast_path, "cut_s": s.backoff.cut_s,
-            "anticipated": s.backoff.anticipated, "unannounced": s.backoff.unannounced,
+            "anticipated": s.backoff.anticipated,
         },
         "pulls": [
             {"model": p.model, "version": p.version, "state": p.state,
@@ -412,9 +411,8 @@ def to_text(doc: Mapping[str, Any]) -> str:
                      f"rate {_rate(b['rate_bps'])}, {len(b['events'])} recent events")
         used = f", {100 * b['idle_used']:.0f}% of the idle capacity used while training" \
             if b["idle_used"] is not None else ""
-        tight = "; windows tightened: bursts come unannounced" if b.get("unannounced") else ""
         lines.append(f"  fast path {b['fast_path']}; {b['bursts']} bursts ({b['anticipated']} "
-                     f"anticipated), held {format_duration(b['cut_s'])}{used}{tight}")
+                     f"anticipated), held {format_duration(b['cut_s'])}{used}")
     else:
         lines.append("backoff:  off")
     lines.append("pulls:" if doc["pulls"] else "pulls:    none configured")

@@ -15,9 +15,8 @@ What it keeps (one array map, mmapped by the agent, ``BPF_F_MMAPABLE``): a leaky
 foreign bytes, drained at ``drain`` bytes/s (the policy's ``link_threshold``: traffic below that
 share of the link never fills it), and a cut: when the bucket holds ``threshold`` bytes, the cut
 lasts until ``hold`` ns after the last packet that found it that full. A burst at line rate fills
-it in ``threshold / rate`` (64 KiB: 0.5 ms at 1 Gbit/s, 5 us at 100 Gbit/s); background traffic
-under the drain rate fills it only when it sends more than that within a few milliseconds
-(one GRO'd aggregate is less), and then costs the pull one hold. Times are CLOCK_MONOTONIC
+it in ``threshold / rate`` (128 KiB: 1 ms at 1 Gbit/s, 10 us at 100 Gbit/s); background traffic
+(ssh, metrics, a GRO'd 64 KB aggregate now and then) never does. Times are CLOCK_MONOTONIC
 (``bpf_ktime_get_ns``), which Python's ``time.monotonic_ns`` reads too.
 
 Hand-assembled, loaded with the raw ``bpf()`` system call: no compiler at build time, no libbpf

@@ -98,13 +98,9 @@ class Windows:
     def __init__(self, received=0):
         self.rates, self.budget_s, self.most, self.received = [], None, None, received
         self.training = []
-        self.unannounced = []
 
     def guard(self, training):
         self.training.append(training)
-
-    def tighten(self, unannounced):
-        self.unannounced.append(unannounced)
 
     def configure(self, backoff):
         self.budget_s, self.most = backoff.queue_budget, most_in_flight(backoff)

@@ -38,7 +38,7 @@ from typing import Any
 from agent.policy.model import Policy
 from agent.units import format_rate
 from agent.yielding.account import Account
-from agent.yielding.bursts import BurstGate, BurstState, Sustained, slow_view, unannounced
+from agent.yielding.bursts import BurstGate, BurstState, Sustained, slow_view
 from agent.yielding.controller import FULL, Controller, Decision
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.readings import Readings
@@ -97,7 +97,6 @@ class BackoffStatus:
     bursts_at_ns: int = 0
     fast_path: str = "off"
     anticipated: int = 0                # periodic bursts the readers were held for before they came
-    unannounced: bool = False           # bursts come that no rhythm foretells: windows tightened
 
 
 class BackoffLoop:
@@ -107,7 +106,6 @@ class BackoffLoop:
                  distribution: DistributionSource | None = None,
                  streams: Callable[[], StreamsSample] | None = None,
                  training_present: Callable[[bool], Any] | None = None,
-                 unannounced: Callable[[bool], Any] | None = None,
                  bursts: BurstGate | None = None, tick: float = 0.1,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None) -> None:
@@ -128,9 +126,6 @@ class BackoffLoop:
         # only then); None until the first tick
         self.training_present = training_present
         self._present: bool | None = None
-        # told each tick whether bursts come that nothing foretells (the windows tighten then)
-        self.unannounced = unannounced
-        self._unannounced: bool | None = None
         # the fast path's detector (agent.yielding.bursts): with it, bursts are its and the
         # controller judges only sustained traffic and RDMA; None: the controller judges all
         self.bursts = bursts
@@ -177,8 +172,8 @@ class BackoffLoop:
             # the interface counters; a failure there is reported like any detector's.
             readings = self.detectors.sample(now, self.distribution)
             before = self.decision
-            sustained = bursts is not None and self._sustained.see(bursts, now_ns)
-            judged = readings if bursts is None else slow_view(readings, sustained)
+            judged = readings if bursts is None else slow_view(
+                readings, self._sustained.see(bursts, now_ns))
             decision = self.controller.step(judged, now)
         moved = before is None or before.rate_bps != decision.rate_bps
         for name, sink in self.sinks.items():
@@ -219,14 +214,6 @@ class BackoffLoop:
             except Exception as e:  # retried next tick
                 on = "on" if present else "off"
                 self._note_error(f"telling the pull sockets training is {on}: {e}")
-        tight = (gate is not None and bursts is not None
-                 and unannounced(bursts, now_ns, gate.rhythm, sustained))
-        if self.unannounced is not None and tight != self._unannounced:
-            try:
-                self.unannounced(tight)
-                self._unannounced = tight
-            except Exception as e:  # retried next tick
-                self._note_error(f"tightening the pull sockets' windows: {e}")
         busiest = max(readings.links, key=lambda r: r.other_bps, default=None)
         with self._lock:
             self.decision, self.readings, self.streams = decision, readings, streams
@@ -326,7 +313,6 @@ class BackoffLoop:
             bursts_at_ns=bursts_at,
             fast_path=self.fast_path,
             anticipated=self._anticipated(),
-            unannounced=bool(self._unannounced),
         )
 
     def _anticipated(self) -> int:

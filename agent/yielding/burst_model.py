@@ -22,7 +22,7 @@ as other traffic on the link, and sets the rate. So the model runs the shipped p
 copy of them.
 
 The fast path (``backoff.burst_hold``, ``agent.yielding.bursts``) is modelled as shipped: the
-kernel's leaky bucket (``settings_for``: drained at ``link_threshold``, 64 KiB deep) fed the
+kernel's leaky bucket (``settings_for``: drained at ``link_threshold``, 128 KiB deep) fed the
 training bytes as they leave the queue (they reach the node's ingress then); a full bucket cuts
 until ``burst_hold`` after the last byte that found it full; a cut stops the pull's reads, so what
 its windows granted still arrives and fills its buffers, then nothing (the windows are not
@@ -53,10 +53,10 @@ import statistics
 from dataclasses import dataclass
 
 from agent.policy.model import Backoff
-from agent.yielding.bursts import BurstState, Sustained, rhythm_for, settings_for, unannounced
+from agent.yielding.bursts import BurstState, Sustained, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect.readings import LinkReading, Readings
-from agent.yielding.sockets import UNANNOUNCED_SHARE, most_in_flight, window_for
+from agent.yielding.sockets import most_in_flight, window_for
 
 FINE_STEPS = 400          # steps over a burst's own time (size / C)
 COARSE_PER_TICK = 10      # steps per controller tick in the gaps
@@ -110,16 +110,11 @@ class Outcome:
         return rest[min(len(rest) - 1, math.ceil(0.99 * len(rest)) - 1)]
 
 
-def window_total(rate_bps: int | None, path: Link, backoff: Backoff,
-                 tight: bool = False) -> float:
+def window_total(rate_bps: int | None, path: Link, backoff: Backoff) -> float:
     """The bytes the pull's sockets may have in flight together (``window_for`` per socket;
-    a node with training bursts trains, so their bound holds: ``PullSockets.guard``; ``tight``:
-    bursts come unannounced, ``PullSockets.tighten``)."""
-    most = most_in_flight(backoff)
-    if most and tight:
-        most = max(1, int(most * UNANNOUNCED_SHARE))
+    a node with training bursts trains, so their bound holds: ``PullSockets.guard``)."""
     per = window_for(rate_bps, path.base_rtt, STREAMS, budget_s=backoff.queue_budget,
-                     most=most)
+                     most=most_in_flight(backoff))
     return math.inf if per is None else float(per * STREAMS)
 
 
@@ -139,7 +134,7 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
     rate = ctl.step(Readings(at=0.0), 0.0).rate_bps
     # the shipped fast path: the kernel's bucket (bytes), its depth, drain (bytes/s) and hold
     shipped = settings_for(ctl.backoff) if fast is None else None
-    level, cut_held, held_total, cuts = 0.0, 0.0, 0.0, 0
+    level, cut_held, held_total = 0.0, 0.0, 0.0
     sustained = Sustained()
     rhythm = (rhythm_for(shipped, path.rate_bps, most_in_flight(backoff))
               if shipped is not None and anticipate else None)
@@ -235,10 +230,8 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                         max(0.0, level - shipped.drain * dt) + out_burst)
             if out_burst > 0 and level >= shipped.threshold:
                 hold_until = t + dt + shipped.hold_ns / 1e9
-                if not fast_cut:
-                    cuts += 1
-                    if rhythm is not None:
-                        rhythm.see(int((t + dt) * 1e9))
+                if not fast_cut and rhythm is not None:
+                    rhythm.see(int((t + dt) * 1e9))
                 fast_cut = True
         tick_burst_bytes += out_burst
         bin_bytes += out_burst
@@ -260,18 +253,15 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
             # With a fast path, bursts are its business: the slow path sees only sustained
             # traffic (none here).
             other = tick_burst_bytes * 8 / tick if fast is None else 0.0
-            tight = False
             if shipped is not None:
                 held_total += cut_held
                 cut_held = 0.0
                 flow = sustained.see(BurstState(0, 0, 0, 1, 0, int(held_total * 1e9)),
                                      int(t * 1e9))
                 other = other if flow else 0.0
-                last = BurstState(0, int(hold_until * 1e9) if cuts else 0, 0, cuts, 0, 0)
-                tight = unannounced(last, int(t * 1e9), rhythm, flow)
             link = LinkReading("model", other, other, 0.0, 0.0)
             rate = ctl.step(Readings(at=t, links=(link,)), t).rate_bps
-            w = window_total(rate, path, backoff, tight)
+            w = window_total(rate, path, backoff)
             tick_burst_bytes = 0.0
             next_tick += tick
         if fast is not None:

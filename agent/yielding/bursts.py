@@ -15,12 +15,9 @@ Why stopping the readers is a cut that holds within a round trip: the pull socke
 buffers are sized to their windows (``agent.yielding.sockets``), so a reader that stops leaves
 a buffer that fills with what was already granted, and the window it advertises falls to zero:
 the sender stops. What was granted still arrives (Linux never retracts a window), which is why
-the windows together stay under 3% of the smallest burst while the node trains (1.5% while
-bursts come that no rhythm foretells: ``unannounced``). When the cut
+the windows together stay under 3% of the smallest burst while the node trains. When the cut
 ends the readers read again, the windows open in one step, and the sender, its congestion
-window intact, is back at its rate within a round trip: nothing to ramp. (Intact for holds
-shorter than the sender's RTO, about 200 ms: after a longer one a Linux sender restarts from
-its initial window, ``tcp_slow_start_after_idle``, and the pull takes 15-20 ms to be back.)
+window intact, is back at its rate within a round trip: nothing to ramp.
 
 What stays with the slow path: sustained traffic (cuts that held the pull for most of every
 tick over ``SUSTAINED``: a flow, not bursts; a flow's own gaps, a busy CPU's, may end one cut
@@ -54,18 +51,11 @@ from shaping.bpf import BURSTS, CUT_START, CUT_UNTIL, FOREIGN, HELD, LEVEL, Sett
 # one tick in two or three; a flow with gaps (CPU, pacing) longer than the hold, nearly all.
 SUSTAINED = 1.0
 SUSTAINED_SHARE = 0.5
-# The detector's bucket must hold this much before it cuts: one GRO aggregate (at most 64 KB)
-# of someone's background flow is less, a burst's first half millisecond at 1 Gbit/s is as
-# much. What the pull sends while the bucket fills is a detected burst's first cost (the
-# windows' sum, next): 6 MB bursts before their rhythm was known were 1.06-1.14x at 128 KiB
-# and 3% windows, 1.00-1.02x at 64 KiB and 1.5%. A false cut (background traffic sending more
-# than this within a few milliseconds) costs the pull one ``burst_hold``.
-THRESHOLD_MIN = 64 * 1024
+# The detector's bucket must hold this much before it cuts: more than one GRO aggregate (64 KB)
+# of someone's background flow, little next to a burst (1 ms at 1 Gbit/s).
+THRESHOLD_MIN = 128 * 1024
 # Training that burst within this long is still training: the windows stay bounded.
 RECENT = 10.0
-# A cut this recent with no rhythm known says bursts come unannounced: the windows tighten
-# (``PullSockets.tighten``), since the next burst will meet whatever they hold.
-UNANNOUNCED = 1.0
 
 _U64 = struct.Struct("=Q")
 
@@ -77,7 +67,7 @@ def settings_for(backoff: Backoff) -> Settings | None:
 
     >>> from agent.policy.model import Backoff
     >>> settings_for(Backoff().resolved(10**9))
-    Settings(drain=6250000, threshold=65536, hold_ns=5000000)
+    Settings(drain=6250000, threshold=131072, hold_ns=5000000)
     """
     if not backoff.enabled or backoff.burst_hold is None:
         return None
@@ -180,19 +170,6 @@ class Sustained:
             self.run = self.run + dt if mostly else 0.0
         self._last = (now_ns, held)
         return self.run + 1e-6 >= SUSTAINED
-
-
-def unannounced(state: BurstState, now_ns: int, rhythm: Rhythm | None, sustained: bool) -> bool:
-    """Bursts come that nothing foretells: a cut within ``UNANNOUNCED`` and no rhythm to
-    anticipate the next (a flow, ``sustained``, is the controller's, not a burst).
-
-    >>> s = BurstState(level=0, cut_until_ns=10**9, cut_start_ns=9 * 10**8, bursts=1,
-    ...                foreign_bytes=0, held_ns=0)
-    >>> unannounced(s, 15 * 10**8, None, False), unannounced(s, 25 * 10**8, None, False)
-    (True, False)
-    """
-    return (not sustained and state.recent(now_ns, UNANNOUNCED)
-            and (rhythm is None or rhythm.period_ns() is None))
 
 
 def slow_view(readings: Readings, sustained: bool) -> Readings:

@@ -3,11 +3,10 @@ the pull can stop just before the next one instead of a detection after its star
 in, a wait out.
 
 What a cut can't take back (``agent.yielding.sockets``: what the windows granted) and what the
-detector lets through before its bucket is full (64 KiB) both arrive after a burst's first byte
-at the bottleneck: at 1 Gbit/s about 250 kB with 3% windows, 4% of a 6 MB burst (bench and
-model: p50 1.04-1.05x for 6 MB every 0.12 s at 128 KiB, where the target is 1.02x); half the
-windows while no rhythm is known (``bursts.unannounced``). Held ``lead`` before the burst is due,
-the pull has nothing in flight when it comes, and the windows can hold their whole bound.
+detector lets through before its bucket is full (128 KiB) both arrive after a burst's first byte
+at the bottleneck: at 1 Gbit/s about 250 kB, 4% of a 6 MB burst (bench and model: p50 1.04-1.05x
+for 6 MB every 0.12 s, where the target is 1.02x). Held ``lead`` before the burst is due, the
+pull has nothing in flight when it comes.
 
 The rule: the cuts' starts (``BurstState.cut_start_ns``, one per burst) are kept; when the last
 ``KEEP`` came at a steady period (each gap within ``JITTER`` of their median, between

@@ -258,7 +258,6 @@ class ShapingRuntime:
                            distribution=distribution,
                            streams=sockets.sample if sockets is not None else None,
                            training_present=sockets.guard if sockets is not None else None,
-                           unannounced=sockets.tighten if sockets is not None else None,
                            tick=backoff.tick, clock=self.clock)
         loop.watching = (backoff, interfaces)
         with self.lock:

@@ -85,16 +85,6 @@ QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 # windows together stay under this share of the smallest burst the policy protects
 # (backoff.smallest_burst): a burst is slowed by at most about that much before the cut holds.
 BURST_SHARE = 0.03
-# ...and half that while bursts come that nothing foretells (``bursts.unannounced``: a cut in the
-# last second, no rhythm): measured, what arrives after a cut is the windows' sum plus what the
-# sender's tail loss probes resend while the held receiver delays its ACKs (a 2 ms probe timeout
-# on a LAN): at 3%, 6 MB bursts that only the detector saw met 200-330 kB of the pull (1.06-1.14x
-# on the deep queue), at 1.5% 0-85 kB (1.00-1.02x). Not always half: a Python reader's own delays
-# stretch its round trip, and at 1.5% the pull took 48-64% of the gaps between bursts instead of
-# 89-97%, and after a sustained flow was not back at 80% of the link within 6.5 s. Anticipated
-# bursts meet nothing in flight (the readers stop first), so the share relaxes once a rhythm is
-# known.
-UNANNOUNCED_SHARE = 0.5
 
 # struct tcp_info offsets (include/uapi/linux/tcp.h); fields past the end of what an older
 # kernel returns read as None.
@@ -187,7 +177,6 @@ class PullSockets:
         # whether training is on this node (the backoff loop says, each tick): the bound on
         # what the windows hold together protects bursts, and a node without training has none
         self._guarded = True
-        self._tight = False              # bursts come unannounced: UNANNOUNCED_SHARE of ``most``
         self.clock = clock
         self.bases = bases if bases is not None else BaseRtts()
         self._lock = threading.Lock()
@@ -242,14 +231,6 @@ class PullSockets:
         with self._lock:
             if training != self._guarded:
                 self._guarded = training
-                self._apply_locked()
-
-    def tighten(self, unannounced: bool) -> None:
-        """Whether bursts come that nothing foretells (the backoff loop says, each tick): the
-        windows then hold ``UNANNOUNCED_SHARE`` of ``most`` together."""
-        with self._lock:
-            if unannounced != self._tight:
-                self._tight = unannounced
                 self._apply_locked()
 
     def set_rate(self, rate_bps: int | None) -> None:
@@ -340,8 +321,6 @@ class PullSockets:
         self._applied_n = len(live)
         now = self.clock()
         most = self.most if self._guarded else None
-        if most and self._tight:
-            most = max(1, int(most * UNANNOUNCED_SHARE))
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from dataclasses import replace
 
 from agent.policy.model import Backoff
 from agent.yielding.backoff import BackoffLoop
@@ -19,12 +18,10 @@ from agent.yielding.bursts import (
     parse_state,
     settings_for,
     slow_view,
-    unannounced,
 )
 from agent.yielding.controller import FULL, Controller
 from agent.yielding.detect.readings import LinkReading, NcclReading, PortReading, Readings
 from agent.yielding.ratelimit import TokenBucket
-from agent.yielding.rhythm import Rhythm
 from shaping import bpf
 
 G = 10**9
@@ -54,7 +51,7 @@ def test_the_program_is_whole_and_every_jump_lands_inside_it():
 
 def test_settings_follow_the_policy():
     s = settings_for(Backoff(burst_hold=0.002).resolved(10 * G))
-    assert s == bpf.Settings(drain=62_500_000, threshold=64 * 1024, hold_ns=2 * MS)
+    assert s == bpf.Settings(drain=62_500_000, threshold=128 * 1024, hold_ns=2 * MS)
     assert settings_for(Backoff(burst_hold=None).resolved(G)) is None
     assert settings_for(Backoff(enabled=False).resolved(G)) is None
 
@@ -181,45 +178,6 @@ def test_with_the_fast_path_training_present_bounds_the_windows_but_keeps_the_ra
     # without the fast path, the same ticks back off to the floor
     loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, clock=lambda: clock[0])
     assert loop.tick().state != FULL
-
-
-def test_bursts_that_no_rhythm_foretells_tighten_the_windows_until_one_is_known():
-    """A cut in the last second with no rhythm: the loop tells the sockets to tighten; once the
-    starts come at a steady period (anticipated: nothing in flight meets the next burst), or
-    a second after the last cut, or while the cuts are a flow (the controller's), it lifts it."""
-    now = [5 * 10**9]
-    told: list[bool] = []
-    mem = values(cut_until=now[0] - 50 * MS, cut_start=now[0] - 100 * MS, bursts=1)
-    rhythm = Rhythm(lead_ns=MS, grace_ns=MS)
-    gate = BurstGate(mem, floor=lambda: 2_000_000, clock_ns=lambda: now[0], rhythm=rhythm)
-    dets = FakeDetectors()
-    dets.next = readings(0.0)
-    clock = [0.0]
-    loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, bursts=gate,
-                       unannounced=told.append, clock=lambda: clock[0])
-    loop.tick()
-    assert told == [True] and loop.status().unannounced
-    for k in range(5):                                     # five starts, 120 ms apart
-        rhythm.see(now[0] - (5 - k) * 120 * MS)
-    clock[0] += 0.1
-    loop.tick()
-    assert told == [True, False]
-    rhythm.starts.clear()
-    clock[0] += 0.1
-    loop.tick()
-    assert told == [True, False, True]
-    now[0] += 2 * 10**9                                    # the last cut 2 s ago
-    clock[0] += 0.1
-    loop.tick()
-    assert told == [True, False, True, False]
-
-
-def test_unannounced_is_a_recent_cut_without_a_rhythm_and_not_a_flow():
-    s = BurstState(level=0, cut_until_ns=10**9, cut_start_ns=9 * 10**8, bursts=1,
-                   foreign_bytes=0, held_ns=0)
-    assert unannounced(s, 10**9, None, sustained=False)
-    assert not unannounced(s, 10**9, None, sustained=True)
-    assert not unannounced(replace(s, bursts=0), 10**9, None, sustained=False)
 
 
 def test_a_chunk_is_filled_receive_by_receive_and_handed_over_at_a_pause():

@@ -79,15 +79,6 @@ def test_schema_fields_and_healthy():
     json.dumps(doc)  # serialisable as is
 
 
-def test_the_fast_path_says_when_it_tightened_the_windows():
-    on = BackoffInfo(enabled=True, fast_path="on: eth0", bursts=3, unannounced=True)
-    doc = to_json(busy_state(backoff=on), NOW)
-    assert doc["backoff"]["unannounced"] is True
-    assert "windows tightened: bursts come unannounced" in to_text(doc)
-    calm = to_json(busy_state(backoff=replace(on, unannounced=False)), NOW)
-    assert "tightened" not in to_text(calm)
-
-
 def test_one_line_like_the_issue_says():
     busy = busy_state()
     busy_line = TickSummary(pulls=busy.pulls, backoff_state="backed_off",
