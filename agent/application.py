@@ -31,11 +31,13 @@ from typing import Protocol, cast
 from agent.control import Controls, ControlServer, prepare_socket_dir, trusted_uids
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.metrics import Metrics, MetricsError
+from agent.mount.service import MountDeps, Mounts
 from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
 from agent.policy import load_policy
 from agent.policy.model import Policy
 from agent.pull.connections import Connections
+from agent.pull.demand import Demand
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker, WorkerDeps
 from agent.scheduler import Scheduler
@@ -82,7 +84,7 @@ def worker_deps(pulls: NodePulls) -> WorkerDeps:
                       schedule=pulls.schedule, window=pulls.window, have=pulls.have,
                       local_version=pulls.local_version, pull=pulls.pull, evict=pulls.evict,
                       poll_after=pulls.poll_after, ready=pulls.ready,
-                      stall_after=pulls.stall_after)
+                      stall_after=pulls.stall_after, mounted=pulls.is_mounted)
 
 
 class DaemonControls(Controls, Protocol):
@@ -153,9 +155,21 @@ class Application:
         shaping = ShapingRuntime(policy, bucket, sockets=self.connections.sockets,
                                  clock=self.monotonic,
                                  bytes_read=lambda: sum(worker.fetched_totals().values()))
+        # Lazy mounts: their readers wait on the pulls' pieces (``demand``), their versions are
+        # pulled at once and never evicted. The deps read ``parts`` late: a reload replaces the
+        # policy and may replace the store.
+        demand = Demand(self.monotonic)
+        pulls.demand = demand
+        mounts = Mounts(MountDeps(
+            policy=lambda: parts.policy, store=lambda: parts.store, demand=demand,
+            pull_info=lambda name: next((i for i in worker.snapshot() if i.model == name),
+                                        None),
+            resolve=pulls.resolve, manifest=pulls.manifest, wake=worker.wake,
+            clock=self.clock, monotonic=self.monotonic))
+        pulls.mounted = mounts.versions
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
-                      control=control)
+                      mounts=mounts, control=control)
         try:
             parts.shaping.start()
             parts.scheduler.start()
@@ -179,6 +193,7 @@ class Application:
         deadline = self.monotonic() + budget
         if parts.worker is not None:
             parts.worker.stop()
+        parts.mounts.stop()
         # The jobs end with their pulls (stopped just now); wait no longer than the budget.
         _join_within(parts.scheduler.shutdown, max(0.1, deadline - self.monotonic() - 0.5))
         if parts.shaping is not None:

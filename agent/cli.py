@@ -18,7 +18,7 @@ EXIT_BROKEN_PIPE = 141              # 128 + SIGPIPE, as the shell reports a comm
 
 # Order is the order of `wagent --help`.
 SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "pull",
-               "wait", "store", "shaping", "plan")
+               "wait", "mount", "store", "shaping", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

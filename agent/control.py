@@ -8,8 +8,11 @@ Protocol (documented in docs/status.md)::
 
 Commands: ``ping`` and ``status`` read; ``reload``, ``pause`` and ``resume`` change something and
 are served only to root or to the daemon's own user, checked with SO_PEERCRED (the kernel's word,
-not the client's). The socket is mode 0660, group ``wagent`` when that group exists, so other
-users can't even connect; the SO_PEERCRED check still holds when an operator widens the mode.
+not the client's). ``mount``, ``umount`` and ``serve_fuse`` (``wagent mount``, which mounts as
+root) are root's alone; ``serve_fuse`` carries the mount's /dev/fuse descriptor (SCM_RIGHTS), the
+only request that may: descriptors sent with any other are closed unread. The socket is mode
+0660, group ``wagent`` when that group exists, so other users can't even connect; the
+SO_PEERCRED check still holds when an operator widens the mode.
 
 A slow or malicious client can't stall the daemon: each connection is served in its own thread
 with a read deadline and a size limit, at most ``max_clients`` at a time (more are told "busy")
@@ -60,7 +63,14 @@ MAX_RESPONSE = 16 * 2**20
 MAX_DIGITS = 100
 MAX_LOGGED_ERROR = 200     # a refused request's error, as logged (it may quote the request)
 # command -> changes something (needs root or the service's user)
-COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True}
+COMMANDS = {"ping": False, "status": False, "reload": True, "pause": True, "resume": True,
+            "mount": True, "umount": True, "serve_fuse": True}
+# ...and these root alone: they come from `wagent mount`, which mounts as root; the service's
+# own user can't mount, so a request from it is not the CLI's
+ROOT_ONLY = frozenset({"mount", "umount", "serve_fuse"})
+# commands that take their arguments (the others take none); serve_fuse also takes descriptors
+WITH_ARGS = frozenset({"mount", "umount"})
+MAX_FDS = 2                  # descriptors accepted with a request (SCM_RIGHTS); more are closed
 # /run/wagent is the RuntimeDirectory of wagent.service (its User= is ownership.SERVICE_USER)
 DEFAULT_SOCKET = "/run/wagent/control.sock"
 
@@ -89,12 +99,16 @@ class Controls(Protocol):
     def reload(self) -> dict[str, Any]: ...
     def pause(self) -> dict[str, Any]: ...
     def resume(self) -> dict[str, Any]: ...
+    def mount(self, args: dict[str, Any]) -> dict[str, Any]: ...
+    def umount(self, args: dict[str, Any]) -> dict[str, Any]: ...
+    def serve_fuse(self, fds: list[int]) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class ControlRequest:
     cmd: str
     args: dict[str, Any]
+    fds: tuple[int, ...] = ()       # descriptors that came with it (owned: closed or handed on)
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,10 @@ def parse_request(line: bytes) -> ControlRequest:
 
 
 def authorized(cmd: str, peer_uid: int, allowed_uids: Iterable[int]) -> bool:
-    """Reads for anyone who can connect; changes for root and the service's own user."""
+    """Reads for anyone who can connect; changes for root and the service's own user; mounts
+    for root."""
+    if cmd in ROOT_ONLY:
+        return peer_uid == 0
     return not COMMANDS.get(cmd, True) or peer_uid == 0 or peer_uid in set(allowed_uids)
 
 
@@ -149,19 +166,33 @@ def error_reply(message: str, kind: str) -> dict[str, Any]:
 
 def dispatch(controls: Controls, request: ControlRequest, peer: Peer,
              allowed_uids: Iterable[int]) -> dict[str, Any]:
-    if not authorized(request.cmd, peer.uid, allowed_uids):
-        return error_reply(
-            f"{request.cmd} refused: uid {peer.uid} is neither root nor the service's user",
-            "forbidden")
-    if request.cmd == "ping":
-        return {"ok": True, "result": {"pong": True}}
+    fds = list(request.fds)
     try:
-        result = getattr(controls, request.cmd)()
+        if not authorized(request.cmd, peer.uid, allowed_uids):
+            who = "not root" if request.cmd in ROOT_ONLY else \
+                "neither root nor the service's user"
+            return error_reply(f"{request.cmd} refused: uid {peer.uid} is {who}", "forbidden")
+        if request.cmd == "ping":
+            return {"ok": True, "result": {"pong": True}}
+        if request.cmd == "serve_fuse":
+            fds, given = [], fds                  # the control method owns them now
+            return _call(lambda: controls.serve_fuse(given), request.cmd)
+        if request.cmd in WITH_ARGS:
+            return _call(lambda: getattr(controls, request.cmd)(request.args), request.cmd)
+        return _call(getattr(controls, request.cmd), request.cmd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _call(method: Callable[[], dict[str, Any]], cmd: str) -> dict[str, Any]:
+    try:
+        result = method()
     except ControlError as e:
         return error_reply(str(e), e.kind)
     except Exception as e:  # the daemon must answer, whatever went wrong in the command
-        log.exception("control command %s failed", request.cmd)
-        return error_reply(f"{request.cmd} failed: {e}", "internal")
+        log.exception("control command %s failed", cmd)
+        return error_reply(f"{cmd} failed: {e}", "internal")
     return {"ok": True, "result": result}
 
 
@@ -340,8 +371,12 @@ class ControlServer:
 
     def _answer(self, conn: socket.socket, peer: Peer) -> dict[str, Any] | None:
         """The reply to the connection's request; None when the client is gone or too slow."""
+        fds: list[int] = []
         try:
-            request = parse_request(_read_line(conn, self.read_timeout, MAX_REQUEST))
+            line = _read_line(conn, self.read_timeout, MAX_REQUEST, fds=fds)
+            request = parse_request(line)
+            request = ControlRequest(request.cmd, request.args, tuple(fds))
+            fds = []                              # dispatch owns them now
         except ProtocolError as e:
             log.info("control: refused a request from uid %d pid %d: %s", peer.uid, peer.pid,
                      str(e)[:MAX_LOGGED_ERROR])
@@ -349,6 +384,9 @@ class ControlServer:
         except (TimeoutError, OSError) as e:
             log.info("control client pid %d dropped: %s", peer.pid, e)
             return None
+        finally:
+            for fd in fds:
+                os.close(fd)
         reply = dispatch(self.controls, request, peer, self.allowed_uids)
         if request.cmd != "status":
             log.info("control: %s from uid %d pid %d: %s", request.cmd, peer.uid, peer.pid,
@@ -357,9 +395,12 @@ class ControlServer:
 
 
 def _read_line(conn: socket.socket, timeout: float, limit: int,
-               clock: Callable[[], float] = time.monotonic) -> bytes:
+               clock: Callable[[], float] = time.monotonic, fds: list[int] | None = None
+               ) -> bytes:
     """One line, within ``timeout`` seconds in total (not per recv: a client dribbling a byte a
-    second is cut off too) and ``limit`` bytes."""
+    second is cut off too) and ``limit`` bytes. Descriptors passed with it (SCM_RIGHTS) are
+    appended to ``fds`` (the caller closes them), at most ``MAX_FDS``: the kernel closes what
+    doesn't fit the buffer."""
     deadline = clock() + timeout
     buf = bytearray()
     while b"\n" not in buf:
@@ -367,7 +408,12 @@ def _read_line(conn: socket.socket, timeout: float, limit: int,
         if left <= 0:
             raise TimeoutError("no complete request in time")
         conn.settimeout(left)
-        chunk = conn.recv(4096)
+        chunk, got, _, _ = socket.recv_fds(conn, 4096, MAX_FDS)
+        if fds is not None:
+            fds.extend(got)
+        else:
+            for fd in got:
+                os.close(fd)
         if not chunk:
             break
         buf += chunk
@@ -456,7 +502,7 @@ def _answers(path: str) -> bool:
 
 # -- client ------------------------------------------------------------------------------------
 def call(path: str, cmd: str, args: dict[str, Any] | None = None,
-         timeout: float = 10.0) -> dict[str, Any]:
+         timeout: float = 10.0, fds: Iterable[int] = ()) -> dict[str, Any]:
     """Sends one request and returns the daemon's ``result``; raises NotRunning or
     ControlError (with the daemon's words) otherwise. Refuses (kind ``unsafe``) a socket in a
     directory others can write, and (kind ``untrusted``) a socket served by anyone but root,
@@ -495,7 +541,14 @@ def call(path: str, cmd: str, args: dict[str, Any] | None = None,
                 "restart the daemon (systemctl restart wagent)", "untrusted")
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # a busy daemon answers and closes before reading; its answer is still there
-            s.sendall(encode({"cmd": cmd, "args": args or {}}))
+            data = encode({"cmd": cmd, "args": args or {}})
+            fds = list(fds)
+            if fds:
+                # the descriptors ride on the first bytes; the rest follows as usual
+                sent = socket.send_fds(s, [data], fds)
+                data = data[sent:]
+            if data:
+                s.sendall(data)
         try:
             line = _read_reply(s)
         except TimeoutError:

@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 
 from agent import __version__
 from agent.control import ControlError
+from agent.mount.service import Mounts
 from agent.notify import Notifier, WatchdogGate
 from agent.policy import PolicyError
 from agent.policy.model import Policy
@@ -327,3 +328,21 @@ class Daemon:
         log.info("pulls resumed")
         self._wake()
         return {"paused": False}
+
+    # -- lazy mounts (``wagent mount``: root's, agent.mount.service) --------------------------
+    def _mounts(self) -> Mounts:
+        if self.parts is None:
+            raise ControlError("the daemon is starting; try again in a moment", "busy")
+        return self.parts.mounts
+
+    def mount(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self._mounts().mount(args)
+
+    def umount(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self._mounts().umount(args)
+
+    def serve_fuse(self, fds: list[int]) -> dict[str, Any]:
+        if self.parts is None:
+            for fd in fds:
+                os.close(fd)
+        return self._mounts().serve_fuse(fds)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from agent.control import ControlServer
 from agent.identity import Identity
 from agent.metrics import Metrics
+from agent.mount.service import Mounts
 from agent.policy.model import Policy
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
@@ -32,6 +33,7 @@ class Parts:
     worker: Worker
     scheduler: Scheduler
     shaping: ShapingRuntime
+    mounts: Mounts
     control: ControlServer | None = None
     metrics: Metrics | None = None
     metrics_error: str | None = None

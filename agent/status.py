@@ -219,6 +219,12 @@ class DaemonState:
     store: StoreInfo = field(default_factory=StoreInfo)
     errors: tuple[str, ...] = ()        # other recent errors, newest last
     error_counts: Mapping[str, int] = field(default_factory=dict)  # kind -> count since start
+    # lazy mounts (agent.mount.service.Mounts.status: the document's "mounts" as it is)
+    mounts: Mapping[str, Any] = field(default_factory=lambda: dict(NO_MOUNTS))
+
+
+NO_MOUNTS: Mapping[str, Any] = {"serving": False, "mounts": [], "reads": 0, "read_errors": 0,
+                                "bytes_read": 0, "waiting": 0, "wanted": 0, "errors": []}
 
 
 @dataclass(frozen=True)
@@ -324,6 +330,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
                    "closes_at": s.window.closes_at},
         "store": {"path": s.store.path, "used_bytes": s.store.used_bytes,
                   "versions": s.store.versions, "free_bytes": s.store.free_bytes},
+        "mounts": dict(s.mounts),
     }
 
 
@@ -445,6 +452,16 @@ def to_text(doc: Mapping[str, Any]) -> str:
     free = f", {format_size(st['free_bytes'])} free" if st["free_bytes"] is not None else ""
     lines.append(f"store:    {st['path']}: {format_size(st['used_bytes'])} in "
                  f"{st['versions']} versions{free}")
+    mounts = doc.get("mounts") or NO_MOUNTS
+    for m in mounts["mounts"]:
+        share = m["bytes_verified"] / m["bytes_total"] if m["bytes_total"] else 1.0
+        done = "complete" if m["complete"] else f"{100 * share:.0f}% verified"
+        lines.append(f"mount:    {m['model']}@{m['version']} at {', '.join(m['dirs'])}: {done}"
+                     + ("" if mounts["serving"] else " (no FUSE server: readers wait)"))
+    if mounts["waiting"]:
+        lines.append(f"mounts:   {mounts['waiting']} reads waiting for their pieces")
+    for e in mounts["errors"][-1:]:
+        lines.append(f"mounts:   last read error: {e['error']}")
     if doc["problems"]:
         lines.append("problems:")
         lines += [f"  - {p}" for p in doc["problems"]]

@@ -205,6 +205,16 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True)
+class Mounts:
+    """Lazy mounts (``wagent mount``, ``agent.mount``)."""
+
+    # A read of a piece not verified yet waits this long for it (its pull fetches it first),
+    # then fails with EIO. Long: an engine dies on a read error (a bus error for mmap), while
+    # a wait costs it only time, so EIO is for a version no source can serve at all.
+    read_deadline: float = duration_field(600.0, min=1.0, max=86400.0)
+
+
+@dataclass(frozen=True)
 class Control:
     socket: str = "/run/wagent/control.sock"
     group: str = "wagent"
@@ -226,6 +236,7 @@ class Policy:
     backoff: Backoff = field(default_factory=Backoff)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     control: Control = field(default_factory=Control)
+    mounts: Mounts = field(default_factory=Mounts)
     state_dir: str = "/var/lib/wagent"
     # IANA name (Europe/Berlin) of the clock the role windows' cron fields are read on
     timezone: str = "UTC"

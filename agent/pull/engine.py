@@ -41,6 +41,7 @@ from agent.pull import plan as planning
 from agent.pull.client import Client, url_for
 from agent.pull.connections import Connections
 from agent.pull.credentials import CredentialsError
+from agent.pull.demand import Demand
 from agent.pull.errors import FetchError
 from agent.pull.options import PullOptions
 from agent.pull.transfer import (
@@ -157,12 +158,13 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  manifest: tuple[bytes, Manifest] | None = None,
-                 connections: Connections) -> PullResult:
+                 connections: Connections, demand: Demand | None = None) -> PullResult:
     """``manifest``: the version's manifest (its bytes, parsed) as :func:`fetch_manifest`
     returned it, when the caller has it already; else it is fetched here.
 
     ``connections``: the watchdog and pull sockets' registry its requests use (the daemon's or
-    the CLI's, whose backoff loop clamps those sockets)."""
+    the CLI's, whose backoff loop clamps those sockets). ``demand``: where a lazy mount's readers
+    wait for pieces (``agent.pull.demand``), the daemon's."""
     options = options or PullOptions()
     stop = stop or threading.Event()
     started = clock()
@@ -190,7 +192,7 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                     raw, m = manifest
                     _check_names(m, model, version, "the manifest given")
                 return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
-                             wall_clock, started, connections)
+                             wall_clock, started, connections, demand)
         except _GaveBack as e:
             raise StoreFull(str(e)) from None    # given back already at this start: once
         except StoreFull as e:
@@ -216,7 +218,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           options: PullOptions, bucket: TokenBucket | None,
           progress: Callable[[PullProgress], None] | None, stop: threading.Event,
           clock: Callable[[], float], wall_clock: Callable[[], float],
-          started: float, connections: Connections) -> PullResult:
+          started: float, connections: Connections, demand: Demand | None) -> PullResult:
     blobs = store.blob_sizes()
     distinct = planning.distinct_files(m)
     # One descriptor claims every partial file of the pull; each file is opened only while a
@@ -262,7 +264,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                         planning.requests_for(p, request_size, tail=2 * streams),
                         copies, options, bucket, stop,
                         on_file=lambda f, n: emit("file", f.path), clock=clock,
-                        connections=connections)
+                        connections=connections, demand=demand)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     emit_lock = threading.Lock()

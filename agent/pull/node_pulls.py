@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from agent.manifest import MAX_MANIFEST_BYTES, Manifest, published_ts
 from agent.policy.model import Model, Policy
 from agent.pull import engine
 from agent.pull.connections import Connections
+from agent.pull.demand import Demand
 from agent.pull.options import PullOptions
 from agent.pull.transfer import RETRY_AFTER_CAP
 from agent.pull.worker import WindowState
@@ -74,6 +75,10 @@ class NodePulls:
         self._lock = threading.Lock()
         # model -> (version, raw manifest, manifest) fetched by ``published``, for its pull
         self._manifests: dict[str, tuple[str, bytes, Manifest]] = {}
+        # Lazy mounts (``agent.mount``): their readers wait on the pulls here, and the versions
+        # they show are never evicted. Set by the application once the mounts exist.
+        self.demand: Demand | None = None
+        self.mounted: Callable[[], Mapping[str, Collection[str]]] = dict
 
     def update(self, policy: Policy, identity: Identity, store: Store) -> None:
         """A reload: the calls from now on read the new policy, role and store."""
@@ -166,6 +171,17 @@ class NodePulls:
     def have(self, model: Model, version: str) -> bool:
         return self.store.installed(model.name, version) is not None
 
+    def is_mounted(self, model: Model, version: str) -> bool:
+        return version in self.mounted().get(model.name, ())
+
+    def manifest(self, model: Model, version: str) -> Manifest:
+        """A version's manifest: the store's when it is there, else the sources'."""
+        m = self.store.installed(model.name, version)
+        if m is not None:
+            return m
+        return engine.fetch_manifest(self.policy.sources, model.name, version, self.options(),
+                                     connections=self.connections)[1]
+
     def local_version(self, model: Model) -> str | None:
         versions = self.store.versions(model.name)
         return versions[0].version if versions else None
@@ -173,8 +189,11 @@ class NodePulls:
     def evict(self) -> None:
         """The policy's eviction (with the store's cleaning): after each pull, and hourly."""
         p = self.policy
+        pins: dict[str, set[str]] = {m.name: set(m.pin) for m in p.models}
+        for model, versions in self.mounted().items():
+            pins.setdefault(model, set()).update(versions)
         removed = space.evict(
-            self.store, keep=p.store.keep_versions, pins={m.name: m.pin for m in p.models},
+            self.store, keep=p.store.keep_versions, pins=pins,
             max_size=p.store.max_size, now=self.clock(), evict_after=p.store.evict_after)
         for r in removed:
             log.info("evicted %s %s (%d bytes)", r.kind, r.name, r.size)
@@ -190,7 +209,7 @@ class NodePulls:
         fetched = held[1:] if held is not None and held[0] == version else None
         engine.pull_version(self.policy.sources, model.name, version, self.store, options=o,
                             bucket=self.bucket, progress=progress, stop=stop, manifest=fetched,
-                            connections=self.connections)
+                            connections=self.connections, demand=self.demand)
         # The version is published and durable by now; the pull succeeded whatever happens in
         # the announcement.
         self.announce(model.name, version)

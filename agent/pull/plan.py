@@ -14,6 +14,7 @@ streams work through one file together and files complete (and free their partia
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -139,3 +140,31 @@ def requests_for(p: PullPlan, request_size: int, tail: int = 0) -> list[RangeReq
     if run:
         out.append(RangeRequest(run_blob, tuple(run)))
     return out
+
+
+def put_first(queue: collections.deque[RangeRequest], blob: str, offset: int) -> bool:
+    """Moves the piece of ``blob`` at ``offset`` to the front of ``queue``: the request holding
+    it is split, the piece goes first, the rest of that request right after it (a reader
+    mostly reads on), what came before it stays where it was. False if no queued request
+    holds it (a stream is fetching it, or it was never planned).
+
+    >>> from agent.manifest import Piece
+    >>> ps = tuple(Piece(o, 1, "0" * 64) for o in range(4))
+    >>> q = collections.deque([RangeRequest("x", ps[:1]), RangeRequest("b", ps)])
+    >>> put_first(q, "b", 2), [(r.blob, [p.offset for p in r.pieces]) for r in q]
+    (True, [('b', [2]), ('b', [3]), ('x', [0]), ('b', [0, 1])])
+    """
+    for i, req in enumerate(queue):
+        if req.blob != blob or not req.pieces[0].offset <= offset <= req.pieces[-1].offset:
+            continue
+        k = next(j for j, p in enumerate(req.pieces) if p.offset >= offset)
+        if req.pieces[k].offset != offset:
+            return False                  # not a piece boundary of this manifest
+        del queue[i]
+        if k:
+            queue.insert(i, RangeRequest(blob, req.pieces[:k]))
+        if k + 1 < len(req.pieces):
+            queue.appendleft(RangeRequest(blob, req.pieces[k + 1:]))
+        queue.appendleft(RangeRequest(blob, (req.pieces[k],)))
+        return True
+    return False

@@ -44,10 +44,11 @@ from agent.policy.model import Source
 from agent.pull.client import Client, url_for
 from agent.pull.connections import Connections
 from agent.pull.credentials import CredentialsError
+from agent.pull.demand import Demand
 from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Meter
 from agent.pull.options import PullOptions
-from agent.pull.plan import Copy, RangeRequest
+from agent.pull.plan import Copy, RangeRequest, put_first
 from agent.redact import redact
 from agent.store import Store
 from agent.store.partial import Partial
@@ -102,7 +103,7 @@ class Transfer:
                  bucket: TokenBucket | None, stop: threading.Event,
                  on_file: Callable[[FileState, int], None],
                  clock: Callable[[], float] = time.monotonic, *,
-                 connections: Connections) -> None:
+                 connections: Connections, demand: Demand | None = None) -> None:
         self.sources = list(sources)
         self.store = store
         self.model = model
@@ -131,9 +132,42 @@ class Transfer:
         self.verified = 0                 # bytes of pieces verified (or copied) in this pull
         self.in_flight = 0                # bytes received of pieces not verified yet
         self.files_done = 0
+        # Readers of a lazy mount wait here for pieces (``agent.pull.demand``): what they want
+        # goes first in the queue (``want``), and they hear of every piece that lands.
+        self.demand = demand
+        self.moved: set[tuple[str, int]] = set()     # pieces put first for a reader (under cond)
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
+        if self.demand is None:
+            self._run(tick, interval)
+            return
+        self.demand.attach(self, list(self.files))
+        try:
+            self._run(tick, interval)
+        finally:
+            self.demand.detach(self)
+
+    def want(self, blob: str, piece: Piece) -> bool:
+        """For a mount's reader (``agent.pull.demand``): True when ``piece`` of ``blob`` is
+        verified in its partial file; else the request holding it is split so that the piece
+        goes first in the queue, the rest of that request right after it (readers mostly read
+        on), and False. A piece a stream is fetching already, or the copier will copy, is left
+        where it is."""
+        with self.cond:
+            f = self.files.get(blob)
+            if f is None:
+                return False
+            if piece.offset in f.partial.done:
+                return True
+            if (blob, piece.offset) in self.moved:
+                return False
+            self.moved.add((blob, piece.offset))
+            if put_first(self.queue, blob, piece.offset):
+                self.cond.notify_all()
+            return False
+
+    def _run(self, tick: Callable[[], None], interval: float) -> None:
         workers = [threading.Thread(target=self._stream, args=(i,), name=f"pull-{i}", daemon=True)
                    for i in range(self.s.streams)]
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
@@ -454,6 +488,8 @@ class Transfer:
             self.verified += piece.size
             f.remaining -= 1
             last = f.remaining == 0
+        if self.demand is not None:
+            self.demand.landed()
         if last:
             self._finish_file(f)
 
@@ -473,6 +509,8 @@ class Transfer:
         # resumable partial (all pieces journaled) or a blob and a stale journal, never a
         # complete part file without its journal (which would be fetched again in full).
         self.store.add_blob(part, f.blob, f.size)
+        if self.demand is not None:
+            self.demand.landed()
         f.partial.drop_journal()
         with self.cond:
             self.files_done += 1

@@ -88,6 +88,10 @@ class WorkerDeps:
     # Seconds without progress after which a pull shows as stalled: longer than any wait the
     # deadlines allow (agent.pull.node_pulls derives it from the pull options).
     stall_after: Callable[[], float] = field(default=lambda: DEFAULT_STALL_AFTER)
+    # (model, version) -> a lazy mount shows it (agent.mount): an engine reads it now, so its
+    # pull starts now, whatever the wave's slot or the role's windows say, and a closing window
+    # doesn't stop it (its readers would wait for ever)
+    mounted: Callable[[Model, str], bool] = field(default=lambda m, v: False)
 
 
 class Jobs(Protocol):
@@ -206,7 +210,7 @@ class Worker:
                 why = f"model {name} left the policy"
             elif model.version not in ("latest", version):
                 why = f"policy now wants {name} {model.version}"
-            elif not window_open:
+            elif not window_open and not self.deps.mounted(model, version):
                 why = "window closed"
             else:
                 continue
@@ -333,6 +337,9 @@ class Worker:
                 st.retry_at = now + min(60.0, self.policy.poll_interval)
                 return min(60.0, self.policy.poll_interval)
         slot_at, start_at = d.schedule(model, version, st.published[1], now)
+        mounted = d.mounted(model, version)
+        if mounted:
+            start_at = now
         if start_at is None or now < start_at:
             window = d.window(now)
             state = "waiting_slot" if now < slot_at or window.open else "waiting_window"
@@ -345,7 +352,7 @@ class Worker:
             if model.version == "latest":
                 wait = min(wait, self._until_poll(model, st, now))
             return min(wait, MAX_WAIT)
-        if not d.window(now).open:   # start_at is inside a window; this guards a clock jump
+        if not mounted and not d.window(now).open:   # start_at is in a window: a clock jump
             self._set(st, version=version, state="waiting_window", slot_at=slot_at,
                       starts_at=start_at, local_version=local)
             return 60.0

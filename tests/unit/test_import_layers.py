@@ -28,6 +28,8 @@ ADAPTERS = {
     "requests": ("agent.pull.client", "agent.pull.urllib3_adapter"),
     "urllib3": ("agent.pull.urllib3_adapter",),
     "apscheduler": ("agent.scheduler",),
+    "pyfuse3": ("agent.mount.fuse_server",),
+    "trio": ("agent.mount.fuse_server",),
 }
 
 

@@ -36,11 +36,22 @@ def test_buffer_gives_the_window_at_the_kernels_ratio():
     assert buffer_for(10_000, 1.0) == 5000
 
 
+def connect(address, mss: int | None = 1460) -> socket.socket:
+    """A client on loopback whose segments are a 1500-byte MTU's (``mss``: 1448 bytes of data
+    with timestamps), as on the networks the windows are sized for: loopback's own 65483-byte
+    segments would put every window at its floor of four segments (``MIN_SEGMENTS``)."""
+    s = socket.socket()
+    if mss is not None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, mss)
+    s.connect(address)
+    return s
+
+
 @pytest.fixture
 def pair():
     """A connected TCP pair on loopback; the client side is the pull's socket."""
     server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
+    client = connect(server.getsockname())
     peer, _ = server.accept()
     server.close()
     yield client, peer
@@ -196,7 +207,7 @@ def test_each_socket_is_sized_for_the_path_to_its_own_peer(pair):
     round trip, not over the nearest one's."""
     near, _ = pair
     server = socket.create_server(("127.0.0.2", 0))
-    far = socket.create_connection(server.getsockname())
+    far = connect(server.getsockname())
     accepted, _ = server.accept()
     server.close()
     try:
@@ -240,3 +251,22 @@ def test_a_node_without_training_lifts_the_bound():
     assert reg.sample().window == window_for(100 * G, None, 0) == 12_500_000
     reg.guard(True)
     assert reg.sample().window == 120_000
+
+
+def test_a_window_is_never_under_four_of_the_paths_own_segments():
+    """Loopback's (or a jumbo-frame network's) segments are larger than a 1500-byte MTU's: a
+    window of four 1448-byte segments there is under two of its own, and the sender's
+    silly-window avoidance would wait for delayed ACKs (measured: 0.5 MB/s from 8 streams)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = connect(server.getsockname(), mss=None)
+    peer, _ = server.accept()
+    try:
+        reg = PullSockets(budget_s=0.0)
+        reg.set_rate(10**7)
+        reg.register(client)
+        mss = parse_tcp_info(client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)).advmss
+        assert mss is not None and mss > 8000
+        assert clamp(client) == MIN_SEGMENTS * mss
+    finally:
+        for s in (client, peer, server):
+            s.close()

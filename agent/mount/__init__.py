@@ -1,0 +1,1 @@
+"""The read-only FUSE mount of published versions (``wagent mount``)."""

@@ -1,0 +1,142 @@
+"""The read path of a lazy mount: verified bytes only, from the blob or from the partial file.
+
+A read of ``[offset, offset + size)`` of a file is served piece by piece:
+
+- the file is a blob in the store (complete, every piece verified, or a file this version
+  shares with one already here): read there;
+- else each piece the read touches must be verified in the file's partial file (journaled by
+  the pull only after its sha256 matched, ``agent.store.partial``); a piece that isn't yet is
+  asked for first (``agent.pull.demand``: the running pull moves it to the front of its queue)
+  and the read waits for it, up to the policy's ``mounts.read_deadline``. Then, and only then,
+  are its bytes read from the partial file.
+
+So no byte reaches a reader that its piece's sha256 did not vouch for: a corrupt piece from a
+source fails its check in the pull, is fetched again (from the next source), and the reader
+simply waits longer. After the read, the next piece of the file is asked for too (engines read
+shards front to back), without waiting for it.
+
+These calls block (a wait for a piece, a cold pread): the FUSE server runs them in threads,
+never on its event loop (``agent.mount.fuse_server``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Callable
+
+from agent.manifest import Piece
+from agent.mount.tree import Node, next_piece, pieces_for
+from agent.pull.demand import Demand, NotYet
+from agent.store import Store
+
+
+class ReadFailed(Exception):
+    """A read that can't be served: the message says why (status and the journal show it); the
+    reader gets EIO."""
+
+
+class Reader:
+    """``store``: the daemon's store now (a reload may move it); ``deadline``: the policy's
+    ``mounts.read_deadline`` now; ``why_not(entry)``: why the version's pieces don't come (its
+    pull's state), for the error."""
+
+    def __init__(self, store: Callable[[], Store], demand: Demand,
+                 deadline: Callable[[], float], why_not: Callable[[str], str],
+                 clock: Callable[[], float]) -> None:
+        self.store = store
+        self.demand = demand
+        self.deadline = deadline
+        self.why_not = why_not
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._complete: set[str] = set()                     # blobs seen whole (immutable)
+        self.bytes_read = 0
+
+    def read(self, node: Node, offset: int, size: int) -> bytes:
+        f = node.file
+        if f is None:
+            raise ReadFailed(f"{node.name} is a directory")
+        pieces = pieces_for(f, offset, size)
+        if not pieces:
+            return b""
+        end = min(f.size, offset + size)
+        if self._whole(node):
+            data = self._pread_blob(node.blob, offset, end - offset)
+        else:
+            deadline = self.clock() + self.deadline()
+            out = bytearray()
+            pos = offset
+            for p in pieces:
+                upto = min(end, p.offset + p.size)
+                out += self._piece_bytes(node, p, pos, upto - pos, deadline)
+                pos = upto
+            data = bytes(out)
+            after = next_piece(f, pieces[-1])
+            if after is not None:
+                self.demand.hint(node.blob, after)
+        with self._lock:
+            self.bytes_read += len(data)
+        return data
+
+    # -- where the bytes are ------------------------------------------------------------------
+    def _whole(self, node: Node) -> bool:
+        if node.blob in self._complete:
+            return True
+        if self.store().has_blob(node.blob, node.size):
+            with self._lock:
+                self._complete.add(node.blob)
+            return True
+        return False
+
+    def _piece_bytes(self, node: Node, piece: Piece, offset: int, size: int,
+                     deadline: float) -> bytes:
+        try:
+            where = self.demand.wait(node.blob, piece, deadline, lambda: self._whole(node),
+                                     lambda: self.why_not(node.entry))
+        except NotYet as e:
+            raise ReadFailed(f"{node.entry}/{node.file.path if node.file else node.name}: "
+                             f"bytes {piece.offset}+{piece.size} not verified within "
+                             f"{self.deadline():g} s: {e}") from None
+        if where == "part":
+            part = self.store().partial / f"{node.blob}.part"
+            try:
+                fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                pass            # it became a blob since (renamed): read it there
+            else:
+                try:
+                    return self._exactly(fd, offset, size, str(part))
+                finally:
+                    os.close(fd)
+            if not self._whole(node):
+                raise ReadFailed(f"{node.entry}: {part} went away and no blob took its place")
+        return self._pread_blob(node.blob, offset, size)
+
+    def _pread_blob(self, blob: str, offset: int, size: int) -> bytes:
+        # Opened per read, not kept: a descriptor shared by reader threads and closed by one
+        # of them could be reused for another file under the others (an open is microseconds
+        # next to a FUSE round trip).
+        path = self.store().blob_path(blob)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            raise ReadFailed(f"blob {path}: {e.strerror}") from None
+        try:
+            return self._exactly(fd, offset, size, f"blob {blob}")
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _exactly(fd: int, offset: int, size: int, what: str) -> bytes:
+        try:
+            data = os.pread(fd, size, offset)
+        except OSError as e:
+            raise ReadFailed(f"{what}: {e.strerror}") from None
+        if len(data) != size:
+            # A verified range is written whole before it is journaled: a short read means
+            # the file was cut behind the store's back.
+            raise ReadFailed(f"{what}: {len(data)} of {size} bytes at {offset} "
+                             f"({os.strerror(errno.EIO)})")
+        return data

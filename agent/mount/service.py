@@ -1,0 +1,278 @@
+"""The daemon's side of ``wagent mount``: which versions are shown, to which directories, and
+the FUSE server that shows them.
+
+The root CLI (``agent.commands.mount``) does what needs root; this does the rest, from the
+control socket's threads:
+
+1. ``mount`` (model, version or none, the directory): the version is chosen (the one the policy
+   wants now when none is given), its manifest read (from the store, or from the sources), and it
+   appears under the mount's root as ``MODEL@VERSION`` (``agent.mount.tree``). From then on the
+   worker pulls it at once, whatever its wave's slot (``WorkerDeps.mounted``), and eviction keeps
+   it (``NodePulls.mounted``). The answer says whether a FUSE server runs; if none does, the CLI
+   mounts the root and sends its descriptor:
+2. ``serve_fuse`` (the descriptor, passed with SCM_RIGHTS): the FUSE server starts on it.
+   The CLI then bind-mounts ``ROOT/MODEL@VERSION`` onto the directory.
+3. ``umount`` (the directory): the CLI has removed the bind; the version is shown no longer
+   once no directory shows it. The answer says how many are left: at none, the CLI unmounts the
+   root and the server ends.
+
+The daemon never reads its own mount: the reader (``agent.mount.reader``) reads the store's
+files, and the unit's ``PrivateMounts`` hides the mount from the daemon's namespace anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.blob_id import blob_id
+from agent.control import ControlError
+from agent.manifest import Manifest, Piece, check_name, published_ts
+from agent.mount.reader import Reader
+from agent.mount.tree import Tree, Version, entry_name
+from agent.policy.model import Model, Policy
+from agent.pull.demand import Demand
+from agent.status import PullInfo
+from agent.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_ERRORS = 5                   # recent read errors kept for status
+
+
+@dataclass
+class Shown:
+    """A version shown under the mount's root, and the directories it is bound onto."""
+
+    model: str
+    version: str
+    size: int
+    since: float
+    dirs: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class MountDeps:
+    """What the mounts need of the daemon's parts (``agent.application`` wires them)."""
+
+    policy: Callable[[], Policy]
+    store: Callable[[], Store]
+    demand: Demand
+    # the model's pull as status shows it (its version, state, error), None if unknown
+    pull_info: Callable[[str], PullInfo | None]
+    # "latest" resolved for a model, now (a request to the sources)
+    resolve: Callable[[Model], str]
+    # a version's manifest: the store's when installed, else the sources'
+    manifest: Callable[[Model, str], Manifest]
+    wake: Callable[[str], None]             # the model's worker job should look again now
+    clock: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
+
+
+class Mounts:
+    def __init__(self, deps: MountDeps) -> None:
+        self.deps = deps
+        self.lock = threading.Lock()          # the tree and ``shown``
+        self.tree = Tree()
+        self.shown: dict[str, Shown] = {}     # MODEL@VERSION -> what shows it
+        self.errors: deque[tuple[float, str]] = deque(maxlen=MAX_ERRORS)
+        self.reader = Reader(deps.store, deps.demand,
+                             lambda: deps.policy().mounts.read_deadline, self._why_not,
+                             deps.monotonic)
+        self.server: Any = None               # agent.mount.fuse_server.FuseServer, once served
+
+    # -- the control calls -------------------------------------------------------------------
+    def mount(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        model_name = _text(args, "model")
+        directory = _text(args, "dir")
+        if not os.path.isabs(directory):
+            raise ControlError(f"{directory}: the directory must be an absolute path", "usage")
+        try:
+            check_name("model", model_name)
+        except ValueError as e:
+            raise ControlError(str(e), "usage") from None
+        model = next((m for m in self.deps.policy().models if m.name == model_name), None)
+        if model is None:
+            known = ", ".join(m.name for m in self.deps.policy().models) or "none"
+            raise ControlError(f"unknown model {model_name!r}: the policy has {known}",
+                               "not_found")
+        version = self._version(model, args.get("version"))
+        try:
+            manifest = self.deps.manifest(model, version)
+        except Exception as e:
+            raise ControlError(f"{model.name} {version}: its manifest can't be read: {e}",
+                               "not_found") from None
+        try:
+            published = published_ts(manifest.published)
+        except (TypeError, ValueError):
+            published = self.deps.clock()
+        name = entry_name(model.name, version)
+        with self.lock:
+            for shown in self.shown.values():
+                if directory in shown.dirs:
+                    raise ControlError(f"{directory} shows {shown.model}@{shown.version} "
+                                       "already (wagent umount it first)", "busy")
+            self.tree.add(Version(model.name, version, manifest, published))
+            shown = self.shown.setdefault(name, Shown(model.name, version, manifest.size,
+                                                      self.deps.clock()))
+            shown.dirs.add(directory)
+        log.info("mount: %s shown at %s", name, directory)
+        self.deps.demand.wish(read_ahead(manifest))
+        self.deps.wake(model.name)
+        return {"entry": name, "model": model.name, "version": version,
+                "serving": self.serving()}
+
+    def serve_fuse(self, fds: Iterable[int]) -> dict[str, Any]:
+        """Starts the FUSE server on the first descriptor (the others are closed)."""
+        fds = list(fds)
+        try:
+            if not fds:
+                raise ControlError("serve_fuse needs the /dev/fuse descriptor (SCM_RIGHTS)",
+                                   "usage")
+            if self.serving():
+                raise ControlError("a FUSE server runs already", "busy")
+            from agent.mount.fuse_server import FuseServer  # pyfuse3: only once a mount comes
+            server = FuseServer(fds[0], self.tree, self.lock, self.reader, self._read_error)
+            try:
+                server.start()
+            except Exception as e:
+                raise ControlError(f"serving the mount failed: {e}", "internal") from None
+            self.server = server
+            log.info("mount: serving the FUSE mount")
+            return {"serving": True}
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def umount(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        directory = _text(args, "dir")
+        with self.lock:
+            name = next((n for n, s in self.shown.items() if directory in s.dirs), None)
+            if name is not None:
+                shown = self.shown[name]
+                shown.dirs.discard(directory)
+                if not shown.dirs:
+                    del self.shown[name]
+                    v = self.tree.versions[name]
+                    self.tree.remove(name)
+                    self.deps.demand.forget({blob_id(f) for f in v.manifest.files})
+            left = sum(len(s.dirs) for s in self.shown.values())
+        if name is not None:
+            log.info("umount: %s no longer shown at %s", name, directory)
+        return {"entry": name, "left": left}
+
+    # -- for the worker, eviction and status ---------------------------------------------------
+    def serving(self) -> bool:
+        return self.server is not None and self.server.alive()
+
+    def mounted(self, model: Model, version: str) -> bool:
+        with self.lock:
+            return entry_name(model.name, version) in self.shown
+
+    def versions(self) -> dict[str, set[str]]:
+        with self.lock:
+            out: dict[str, set[str]] = {}
+            for s in self.shown.values():
+                out.setdefault(s.model, set()).add(s.version)
+            return out
+
+    def status(self) -> dict[str, Any]:
+        store = self.deps.store()
+        with self.lock:
+            shown = list(self.shown.values())
+        rows = []
+        for s in shown:
+            info = self.deps.pull_info(s.model)
+            installed = store.installed(s.model, s.version) is not None
+            done = s.size if installed else (
+                info.bytes_done if info is not None and info.version == s.version else 0)
+            rows.append({"model": s.model, "version": s.version, "dirs": sorted(s.dirs),
+                         "since": s.since, "bytes_total": s.size, "bytes_verified": done,
+                         "complete": installed,
+                         "pull": info.state if info is not None else None})
+        server = self.server
+        return {"serving": self.serving(), "mounts": rows,
+                "reads": server.reads if server is not None else 0,
+                "read_errors": server.read_errors if server is not None else 0,
+                "bytes_read": self.reader.bytes_read,
+                "waiting": self.deps.demand.waiting, "wanted": self.deps.demand.wanted,
+                "errors": [{"at": at, "error": e} for at, e in self.errors]}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _version(self, model: Model, asked: object) -> str:
+        """The version to show: the one asked for, or the one the policy wants now. A version
+        neither wanted nor in the store would never come: refused."""
+        wanted = model.version
+        if wanted == "latest":
+            info = self.deps.pull_info(model.name)
+            wanted = info.version if info is not None and info.version else None
+            if wanted is None:
+                try:
+                    wanted = self.deps.resolve(model)
+                except Exception as e:
+                    raise ControlError(f"{model.name}: which version `latest` names is not "
+                                       f"known yet: {e}", "not_found") from None
+        if asked is None or asked == "":
+            return wanted
+        if not isinstance(asked, str):
+            raise ControlError("version must be text", "usage")
+        try:
+            check_name("version", asked)
+        except ValueError as e:
+            raise ControlError(str(e), "usage") from None
+        if asked != wanted and self.deps.store().installed(model.name, asked) is None:
+            raise ControlError(f"{model.name}@{asked} is neither the version the policy wants "
+                               f"now ({wanted}) nor in the store, so nothing would pull it; "
+                               f"mount {model.name}@{wanted}, or pull {asked} first "
+                               "(wagent pull)", "not_found")
+        return asked
+
+    def _why_not(self, entry: str) -> str:
+        model = entry.split("@", 1)[0]
+        info = self.deps.pull_info(model)
+        if info is None:
+            return "the model is no longer in the policy"
+        why = f"its pull is {info.state}"
+        if info.error:
+            why += f": {info.error}"
+        return why
+
+    def _read_error(self, message: str) -> None:
+        log.error("mount: %s", message)
+        with self.lock:
+            self.errors.append((self.deps.clock(), message))
+
+
+def read_ahead(m: Manifest) -> list[tuple[str, Piece]]:
+    """What engines read first, in that order: the small files (config, tokenizer, the
+    shards' index) whole, then the first piece of each safetensors shard (its header: where
+    every tensor lies). The rest follows the reads themselves.
+
+    >>> from agent.manifest import FileEntry, Manifest, Piece
+    >>> f = lambda p, n: FileEntry(p, n, "0" * 64, tuple(Piece(o, 1, "1" * 64) for o in range(n)))
+    >>> m = Manifest("m", "v", "", (f("a.safetensors", 3), f("config.json", 1)))
+    >>> [(p.offset) for _, p in read_ahead(m)]
+    [0, 0]
+    """
+    small = [(blob_id(f), p) for f in m.files if not f.path.endswith(".safetensors")
+             for p in f.pieces]
+    headers = [(blob_id(f), f.pieces[0]) for f in m.files
+               if f.path.endswith(".safetensors") and f.pieces]
+    return small + headers
+
+
+def _text(args: Mapping[str, Any], key: str) -> str:
+    v = args.get(key)
+    if not isinstance(v, str) or not v:
+        raise ControlError(f"{key!r} must be given as text", "usage")
+    return v

@@ -1,0 +1,219 @@
+"""`wagent mount`: a real FUSE mount, made by the root CLI and served by a running daemon,
+read by a client this project did not write (safetensors' ``safe_open``, which mmaps) while the
+version is still being pulled from a slow nginx origin; every tensor equals the origin's, and the
+store holds the complete version afterwards. Bad requests leave nothing mounted.
+
+Every mount the test makes (the binds, the daemon's root mount) is removed, even on failure."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.commands.mount import mount_root
+from agent.mount.kernel import mount_at, unmount
+from tests.daemon_helpers import start_daemon, stop_daemon, wagent, wait_for_socket, write_policy
+from tests.pull_helpers import FaultyServer, LoopbackNginx, publish
+
+# debian: the daemon serves the mount with Debian's pyfuse3 3.2.1 and trio 0.22 too (the
+# safetensors test alone needs the venv: Debian 12 packages no safetensors)
+pytestmark = [pytest.mark.netns, pytest.mark.debian]
+
+MODEL = "lazy"
+
+
+def _cleanup_mounts(paths: list[str]) -> None:
+    for p in paths:
+        while mount_at(p) is not None:
+            unmount(p, lazy=True)
+
+
+@contextlib.contextmanager
+def daemon(d: Path, sources: list[str], **sections: object):
+    """A daemon following MODEL from ``sources`` whose wave is hours away (only a mount makes
+    it pull); yields its socket and two empty directories; every mount goes at the end."""
+    name = f"run{len(list(d.glob('run*')))}"
+    run = d / name
+    run.mkdir()
+    sock = run / "control.sock"
+    policy = write_policy(run / "policy.yaml", run, sources=[{"url": u} for u in sources],
+                          models=[{"name": MODEL, "version": "latest"}],
+                          waves={"gap": "6h"}, **sections)
+    proc = start_daemon(policy, log=run / "daemon.log")
+    dirs = [str(run / "a"), str(run / "b")]
+    for m in dirs:
+        os.mkdir(m)
+    try:
+        wait_for_socket(sock, proc)
+        yield sock, dirs
+    finally:
+        for m in dirs:
+            wagent("umount", "--lazy", m, "--socket", str(sock))
+        _cleanup_mounts([*dirs, mount_root(str(sock))])
+        stop_daemon(proc)
+        print((run / "daemon.log").read_text()[-6000:])
+
+
+@pytest.fixture
+def origin():
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse")
+    d = Path(tempfile.mkdtemp(prefix="wagent-mount-"))
+    d.chmod(0o755)
+    # 8 layers of 512: about 70 MB in 4 shards; pieces of at most 4 MiB
+    version_dir = publish(d / "origin", MODEL, "v1", piece_size=4 * 2**20, layers=8,
+                          hidden=512, shards=4)
+    try:
+        yield d, version_dir
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def bed(origin):
+    d, version_dir = origin
+    # 8 streams at 1 MB/s each: the pull takes about 9 s, and every read below comes before
+    # its last byte
+    with LoopbackNginx(d / "origin", limit_rate="1m") as nginx, \
+            daemon(d, [nginx.url]) as (sock, dirs):
+        yield d, sock, version_dir, dirs
+
+
+def _status(sock: Path) -> dict:
+    r = wagent("status", "--json", "--socket", str(sock))
+    return json.loads(r.stdout)
+
+
+def test_safe_open_reads_every_tensor_while_the_pull_runs(bed):
+    safetensors = pytest.importorskip("safetensors")
+    d, sock, version_dir, (a, _) = bed
+    started = time.monotonic()
+    r = wagent("mount", MODEL, a, "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    info = mount_at(a)
+    assert info is not None and info.fstype == "fuse.wagent" and "ro" in info.options.split(",")
+    # the listing answers from the manifest, before a byte is pulled
+    names = sorted(os.listdir(a))
+    assert names == sorted(p.name for p in version_dir.iterdir() if p.name != "manifest.json")
+    first_tensor = None
+    t_mount = time.monotonic() - started
+    shards = sorted(version_dir.glob("*.safetensors"))
+    for shard in shards:
+        with safetensors.safe_open(str(Path(a) / shard.name), framework="numpy") as got, \
+                safetensors.safe_open(str(shard), framework="numpy") as want:
+            assert sorted(got.keys()) == sorted(want.keys())
+            for key in want.keys():
+                # bytes, not values: generated float16 data holds NaNs, never equal to themselves
+                assert got.get_tensor(key).tobytes() == want.get_tensor(key).tobytes(), key
+                if first_tensor is None:
+                    first_tensor = time.monotonic() - started
+    config = json.loads((Path(a) / "config.json").read_text())
+    assert config["num_hidden_layers"] == 8
+    read_all = time.monotonic() - started
+    print(f"mounted after {t_mount:.2f} s, first tensor {first_tensor:.2f} s, "
+          f"every tensor {read_all:.2f} s")
+    doc = _status(sock)
+    (row,) = doc["mounts"]["mounts"]
+    assert row["model"] == MODEL and row["version"] == "v1" and row["dirs"] == [a]
+    assert doc["mounts"]["reads"] > 0 and doc["mounts"]["read_errors"] == 0
+    # The reads came before the pull ended (else this proves nothing about laziness).
+    assert doc["mounts"]["wanted"] > 0, doc["mounts"]
+    # The background pull completes the version in the store.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _status(sock)["mounts"]["mounts"][0]["complete"]:
+        time.sleep(0.5)
+    from agent.store import Store
+    store = Store(sock.parent / "store").version_dir(MODEL, "v1")
+    for f in version_dir.rglob("*"):
+        if f.is_file():
+            assert (store / f.relative_to(version_dir)).read_bytes() == f.read_bytes(), f
+    # ...and reads are then served from the blobs
+    with open(Path(a) / shards[-1].name, "rb") as f:
+        assert f.read() == shards[-1].read_bytes()
+    r = wagent("umount", a, "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    assert mount_at(a) is None
+    assert mount_at(mount_root(str(sock))) is None      # the last one: the root went too
+    assert _status(sock)["mounts"]["mounts"] == []
+
+
+def test_bad_requests_leave_nothing_mounted(bed):
+    d, sock, _, (a, b) = bed
+    cases = [
+        (("mount", "nosuch", a), "unknown model"),
+        (("mount", f"{MODEL}@v9", a), "neither the version the policy wants"),
+        (("mount", MODEL, str(d / "missing")), "does not exist"),
+        (("mount", MODEL, str(sock.parent / "policy.yaml")), "is not a directory"),
+    ]
+    (d / "full").mkdir()
+    (d / "full" / "x").write_text("x")
+    cases.append((("mount", MODEL, str(d / "full")), "not empty"))
+    for args, words in cases:
+        r = wagent(*args, "--socket", str(sock))
+        assert r.returncode == 1 and words in r.stderr, (args, r.stderr)
+    assert mount_at(a) is None
+    # a second mount on the same directory
+    r = wagent("mount", MODEL, a, "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    r = wagent("mount", MODEL, a, "--socket", str(sock))
+    assert r.returncode == 1 and "mount point already" in r.stderr
+    # not root
+    r = wagent("mount", MODEL, b, "--socket", str(sock), user="nobody", group="nogroup")
+    assert r.returncode == 1 and "root" in r.stderr
+    assert mount_at(b) is None
+    # no daemon
+    r = wagent("mount", MODEL, b, "--socket", str(d / "nothing.sock"))
+    assert r.returncode == 1 and "not running" in r.stderr
+    assert mount_at(b) is None
+    # umount of something that isn't one
+    r = wagent("umount", b, "--socket", str(sock))
+    assert r.returncode == 1 and "not a `wagent mount`" in r.stderr
+    assert len(_status(sock)["mounts"]["mounts"]) == 1
+
+
+def _read_all(directory: str, version_dir: Path) -> None:
+    for f in sorted(version_dir.iterdir()):
+        if f.name != "manifest.json":
+            assert (Path(directory) / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_corrupt_source_never_reaches_a_reader(origin):
+    """Every piece from the first source is corrupt: the reads wait for the mirror's."""
+    d, version_dir = origin
+    with FaultyServer(d / "origin", fault="corrupt") as bad, \
+            LoopbackNginx(d / "origin", limit_rate="4m") as good, \
+            daemon(d, [bad.url, good.url]) as (sock, (a, _)):
+        r = wagent("mount", MODEL, a, "--socket", str(sock))
+        assert r.returncode == 0, r.stderr
+        _read_all(a, version_dir)
+        assert bad.faults_done > 0          # the reads did meet corrupt pieces
+        assert _status(sock)["mounts"]["read_errors"] == 0
+
+
+def test_a_read_fails_with_eio_at_the_deadline_when_no_source_is_good(origin):
+    d, version_dir = origin
+    with FaultyServer(d / "origin", fault="corrupt") as bad, \
+            daemon(d, [bad.url], mounts={"read_deadline": "3s"}) as (sock, (a, _)):
+        r = wagent("mount", MODEL, a, "--socket", str(sock))
+        assert r.returncode == 0, r.stderr
+        shard = sorted(version_dir.glob("*.safetensors"))[0]
+        # small files are not faulted: they read
+        assert (Path(a) / "config.json").read_bytes() == (version_dir / "config.json").read_bytes()
+        started = time.monotonic()
+        with pytest.raises(OSError) as e:
+            (Path(a) / shard.name).read_bytes()
+        assert e.value.errno == errno.EIO
+        assert 2.5 < time.monotonic() - started < 30
+        doc = _status(sock)["mounts"]
+        assert doc["read_errors"] >= 1
+        assert "not verified within 3 s" in doc["errors"][-1]["error"], doc["errors"]
