@@ -87,6 +87,23 @@ def worker_deps(pulls: NodePulls) -> WorkerDeps:
                       stall_after=pulls.stall_after, mounted=pulls.is_mounted)
 
 
+def mounts_for(policy: Callable[[], Policy], store: Callable[[], Store], pulls: NodePulls,
+               worker: Worker, clock: Callable[[], float], monotonic: Callable[[], float]
+               ) -> Mounts:
+    """The lazy mounts of a daemon: their readers wait on the pulls' pieces (a ``Demand`` the
+    pulls share), their versions are pulled at once and never evicted. ``policy`` and ``store``
+    are read late: a reload replaces the policy and may replace the store."""
+    demand = Demand(monotonic)
+    pulls.demand = demand
+    mounts = Mounts(MountDeps(
+        policy=policy, store=store, demand=demand,
+        pull_info=lambda name: next((i for i in worker.snapshot() if i.model == name), None),
+        resolve=pulls.resolve, manifest=pulls.manifest, wake=worker.wake, clock=clock,
+        monotonic=monotonic))
+    pulls.mounted = mounts.versions
+    return mounts
+
+
 class DaemonControls(Controls, Protocol):
     """The daemon as its parts see it: the control socket's methods, and its state, which the
     metrics job reads as values (never the JSON document parsed back)."""
@@ -158,15 +175,8 @@ class Application:
         # Lazy mounts: their readers wait on the pulls' pieces (``demand``), their versions are
         # pulled at once and never evicted. The deps read ``parts`` late: a reload replaces the
         # policy and may replace the store.
-        demand = Demand(self.monotonic)
-        pulls.demand = demand
-        mounts = Mounts(MountDeps(
-            policy=lambda: parts.policy, store=lambda: parts.store, demand=demand,
-            pull_info=lambda name: next((i for i in worker.snapshot() if i.model == name),
-                                        None),
-            resolve=pulls.resolve, manifest=pulls.manifest, wake=worker.wake,
-            clock=self.clock, monotonic=self.monotonic))
-        pulls.mounted = mounts.versions
+        mounts = mounts_for(lambda: parts.policy, lambda: parts.store, pulls, worker,
+                            self.clock, self.monotonic)
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
                       mounts=mounts, control=control)

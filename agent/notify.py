@@ -6,6 +6,12 @@ and restarts the daemon if WATCHDOG=1 stops coming. The daemon's main loop sends
 while its worker threads are alive: a daemon whose scheduler or backoff thread died is restarted
 rather than left looking healthy.
 
+systemd's file descriptor store keeps what the daemon hands it across a restart: the lazy
+mount's /dev/fuse descriptor (``agent.mount``), without which the mount dies with the process
+("transport endpoint is not connected"). sdnotify sends text only, so that one message (FDSTORE=1
+with the descriptor, SCM_RIGHTS) goes out on a socket of its own (:func:`store_fd`); the next
+process gets it back as LISTEN_FDS (:func:`inherited_fds`).
+
 The sender is a callable taking the message, so tests record the sequence without a socket:
 
 >>> sent = []
@@ -18,10 +24,49 @@ The sender is a callable taking the message, so tests record the sequence withou
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 
 import sdnotify
+
+SD_LISTEN_FDS_START = 3
+
+
+def inherited_fds(env: Mapping[str, str], pid: int) -> dict[str, int]:
+    """The descriptors systemd passed to this process (its fd store after a restart), by name
+    (sd_listen_fds_with_names(3)); none unless LISTEN_PID is this process.
+
+    >>> inherited_fds({"LISTEN_PID": "7", "LISTEN_FDS": "2", "LISTEN_FDNAMES": "a:b"}, 7)
+    {'a': 3, 'b': 4}
+    >>> inherited_fds({"LISTEN_PID": "8", "LISTEN_FDS": "1"}, 7)
+    {}
+    """
+    if env.get("LISTEN_PID", "") != str(pid):
+        return {}
+    try:
+        n = int(env.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return {}
+    names = env.get("LISTEN_FDNAMES", "").split(":")
+    return {(names[i] if i < len(names) and names[i] else "unknown"): SD_LISTEN_FDS_START + i
+            for i in range(max(0, n))}
+
+
+def store_fd(fd: int, name: str, env: Mapping[str, str]) -> bool:
+    """Hands ``fd`` to systemd's fd store under ``name`` (``FileDescriptorStoreMax=`` in the
+    unit); False when no service manager listens (not under systemd), so the caller can say
+    what a restart will lose."""
+    path = env.get("NOTIFY_SOCKET", "")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]                 # an abstract socket
+    message = f"FDSTORE=1\nFDNAME={name}".encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(path)
+        socket.send_fds(s, [message], [fd])
+    return True
 
 
 def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
+import struct
 import threading
 from collections.abc import Callable
 
@@ -41,6 +43,25 @@ IMMUTABLE_TTL = 86400.0     # seconds the kernel keeps a version's entries and a
 ROOT_TTL = 1.0              # ...and the root's (versions come and go)
 BLOCK = 4096
 
+# Taking over a mount whose server died (a restart): the kernel sent INIT once, to the first
+# server, and libfuse answers EIO to every request until it has seen one. So libfuse is given a
+# socket holding a made-up INIT (fuse_in_header + fuse_init_in, protocol 7.38) and, once it has
+# read it, the real /dev/fuse descriptor is put under the same number (``_Operations.init``);
+# its INIT reply then goes to the kernel with a ``unique`` nobody waits for and is dropped.
+# Then FUSE_NOTIFY_RESEND (Linux >= 6.9) has the kernel queue again the requests the dead
+# server had read and never answered: their readers get their bytes instead of hanging.
+FUSE_INIT = 26
+FUSE_NOTIFY_RESEND = 7
+_INIT_FLAGS = (1 << 0) | (1 << 13) | (1 << 14) | (1 << 22)   # ASYNC_READ, READDIRPLUS(+AUTO),
+#                                                             MAX_PAGES: what the kernel offers
+
+
+def fake_init() -> bytes:
+    body = struct.pack("<IIII", 7, 38, 128 * 1024, _INIT_FLAGS) + bytes(48)
+    header = struct.pack("<IIQQIIIHH", 40 + len(body), FUSE_INIT, (1 << 62) + 2, 0, 0, 0, 0, 0,
+                         0)
+    return header + body
+
 
 class FuseServer:
     """Serves ``tree`` on the mounted FUSE descriptor ``fd`` (a duplicate is given to pyfuse3,
@@ -48,12 +69,23 @@ class FuseServer:
     ``on_error`` hears every read that failed (status, the journal)."""
 
     def __init__(self, fd: int, tree: Tree, lock: threading.Lock, reader: Reader,
-                 on_error: Callable[[str], None]) -> None:
+                 on_error: Callable[[str], None], *, taking_over: bool = False) -> None:
+        """``taking_over``: the mount had a server before (this daemon's previous process);
+        see ``fake_init``."""
         self.tree = tree
         self.lock = lock
         self.reader = reader
         self.on_error = on_error
         self._fd = os.dup(fd)
+        self._swap: tuple[int, int] | None = None     # (placeholder number, the real device)
+        self._init_peer: socket.socket | None = None
+        if taking_over:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            b.send(fake_init())
+            self._swap = (a.detach(), self._fd)
+            self._init_peer = b          # open until libfuse has read the INIT
+            self._fd = self._swap[0]
+        self.resent: bool | None = None  # taking over: whether the kernel took RESEND
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -92,6 +124,8 @@ class FuseServer:
         except BaseException as e:  # reported to start()'s caller
             self._start_error = e
             os.close(self._fd)
+            if self._swap is not None:
+                os.close(self._swap[1])
             self._started.set()
             self.ended.set()
             return
@@ -103,6 +137,8 @@ class FuseServer:
             # close() closes the descriptor pyfuse3 was given (our duplicate); the mount itself
             # is the CLI's to remove (``wagent umount``).
             pyfuse3.close(unmount=False)
+            if self._init_peer is not None:
+                self._init_peer.close()
             self.ended.set()
             log.info("the FUSE server ended")
 
@@ -119,6 +155,28 @@ class _Operations(pyfuse3.Operations):
         super().__init__()
         self.s = server
         self.limiter = trio.CapacityLimiter(READ_THREADS)
+
+    def init(self) -> None:
+        """Called by libfuse once it has read INIT: when taking over, the made-up one; the real
+        device goes under its number now (``fake_init``)."""
+        swap = self.s._swap
+        if swap is None:
+            return
+        placeholder, real = swap
+        trio.lowlevel.notify_closing(placeholder)
+        os.dup2(real, placeholder)
+        os.close(real)
+        self.s._swap = None
+        try:
+            os.write(placeholder, struct.pack("<IiQ", 16, FUSE_NOTIFY_RESEND, 0))
+            self.s.resent = True
+        except OSError as e:
+            # Linux < 6.9 (Debian 12's 6.1): requests the dead server had read stay unanswered
+            # until their readers are killed; new reads are served.
+            self.s.resent = False
+            log.warning("the kernel took no FUSE_NOTIFY_RESEND (%s): reads that were in flight "
+                        "when the previous daemon died stay blocked (Linux >= 6.9 resends "
+                        "them)", e.strerror)
 
     def _node(self, inode: int) -> Node:
         with self.s.lock:

@@ -16,12 +16,19 @@ control socket's threads:
    once no directory shows it. The answer says how many are left: at none, the CLI unmounts the
    root and the server ends.
 
+A restart keeps the mount: the descriptor goes to systemd's fd store as soon as it is served
+(``keep_fd``), the versions shown and their directories to ``{state_dir}/mounts.json``; the next
+process gets the descriptor back (``adopt``), shows the same versions under the same inode
+numbers and takes the mount over (``agent.mount.fuse_server.fake_init``). Readers wait meanwhile;
+none gets an error.
+
 The daemon never reads its own mount: the reader (``agent.mount.reader``) reads the store's
 files, and the unit's ``PrivateMounts`` hides the mount from the daemon's namespace anyway.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -29,10 +36,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agent.blob_id import blob_id
 from agent.control import ControlError
+from agent.durable import write_atomic
 from agent.manifest import Manifest, Piece, check_name, published_ts
 from agent.mount.reader import Reader
 from agent.mount.tree import Tree, Version, entry_name
@@ -44,6 +53,8 @@ from agent.store import Store
 log = logging.getLogger(__name__)
 
 MAX_ERRORS = 5                   # recent read errors kept for status
+STATE_FILE = "mounts.json"       # in the policy's state_dir
+FD_NAME = "wagent-fuse"          # the descriptor's name in systemd's fd store
 
 
 @dataclass
@@ -86,6 +97,9 @@ class Mounts:
                              lambda: deps.policy().mounts.read_deadline, self._why_not,
                              deps.monotonic)
         self.server: Any = None               # agent.mount.fuse_server.FuseServer, once served
+        # hands the served descriptor to systemd's fd store (agent.notify.store_fd): False when
+        # none listens, and a restart then loses the mount (said in the journal)
+        self.keep_fd: Callable[[int], bool] = lambda fd: False
 
     # -- the control calls -------------------------------------------------------------------
     def mount(self, args: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,20 +122,7 @@ class Mounts:
         except Exception as e:
             raise ControlError(f"{model.name} {version}: its manifest can't be read: {e}",
                                "not_found") from None
-        try:
-            published = published_ts(manifest.published)
-        except (TypeError, ValueError):
-            published = self.deps.clock()
-        name = entry_name(model.name, version)
-        with self.lock:
-            for shown in self.shown.values():
-                if directory in shown.dirs:
-                    raise ControlError(f"{directory} shows {shown.model}@{shown.version} "
-                                       "already (wagent umount it first)", "busy")
-            self.tree.add(Version(model.name, version, manifest, published))
-            shown = self.shown.setdefault(name, Shown(model.name, version, manifest.size,
-                                                      self.deps.clock()))
-            shown.dirs.add(directory)
+        name = self._show(model, version, manifest, [directory])
         log.info("mount: %s shown at %s", name, directory)
         self.deps.demand.wish(read_ahead(manifest))
         self.deps.wake(model.name)
@@ -137,18 +138,57 @@ class Mounts:
                                    "usage")
             if self.serving():
                 raise ControlError("a FUSE server runs already", "busy")
-            from agent.mount.fuse_server import FuseServer  # pyfuse3: only once a mount comes
-            server = FuseServer(fds[0], self.tree, self.lock, self.reader, self._read_error)
+            self._serve(fds[0], taking_over=False)
             try:
-                server.start()
-            except Exception as e:
-                raise ControlError(f"serving the mount failed: {e}", "internal") from None
-            self.server = server
-            log.info("mount: serving the FUSE mount")
+                kept = self.keep_fd(fds[0])
+            except OSError as e:
+                log.warning("mount: systemd's fd store refused the mount's descriptor (%s)", e)
+                kept = False
+            if not kept:
+                log.warning("mount: no fd store (FileDescriptorStoreMax= under systemd): the "
+                            "mount dies with this process; readers then get ENOTCONN")
             return {"serving": True}
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def adopt(self, fd: int) -> None:
+        """After a restart: ``fd`` came back from the fd store. The versions shown before are
+        shown again (same inodes), then the mount is taken over; its readers go on."""
+        try:
+            saved = self._load()
+            for model_name, version, dirs in saved:
+                model = next((m for m in self.deps.policy().models if m.name == model_name),
+                             None)
+                if model is None:
+                    log.warning("mount: %s@%s is no longer in the policy: not shown again",
+                                model_name, version)
+                    continue
+                try:
+                    self._show(model, version, self.deps.manifest(model, version), dirs)
+                except Exception as e:
+                    log.error("mount: %s@%s can't be shown again: %s", model_name, version, e)
+                    continue
+                self.deps.wake(model.name)
+            with self.lock:
+                self._save_locked()
+            self._serve(fd, taking_over=True)
+            log.info("mount: took over the mount (%d versions shown)", len(self.shown))
+        except Exception as e:
+            log.error("mount: taking over the mount failed: %s", e)
+        finally:
+            os.close(fd)
+
+    def _serve(self, fd: int, *, taking_over: bool) -> None:
+        from agent.mount.fuse_server import FuseServer  # pyfuse3: only once a mount comes
+        server = FuseServer(fd, self.tree, self.lock, self.reader, self._read_error,
+                            taking_over=taking_over)
+        try:
+            server.start()
+        except Exception as e:
+            raise ControlError(f"serving the mount failed: {e}", "internal") from None
+        self.server = server
+        log.info("mount: serving the FUSE mount")
 
     def umount(self, args: Mapping[str, Any]) -> dict[str, Any]:
         directory = _text(args, "dir")
@@ -162,10 +202,53 @@ class Mounts:
                     v = self.tree.versions[name]
                     self.tree.remove(name)
                     self.deps.demand.forget({blob_id(f) for f in v.manifest.files})
+                self._save_locked()
             left = sum(len(s.dirs) for s in self.shown.values())
         if name is not None:
             log.info("umount: %s no longer shown at %s", name, directory)
         return {"entry": name, "left": left}
+
+    def _show(self, model: Model, version: str, manifest: Manifest, dirs: list[str]) -> str:
+        try:
+            published = published_ts(manifest.published)
+        except (TypeError, ValueError):
+            published = self.deps.clock()
+        name = entry_name(model.name, version)
+        with self.lock:
+            for shown in self.shown.values():
+                for d in dirs:
+                    if d in shown.dirs:
+                        raise ControlError(f"{d} shows {shown.model}@{shown.version} "
+                                           "already (wagent umount it first)", "busy")
+            self.tree.add(Version(model.name, version, manifest, published))
+            shown = self.shown.setdefault(name, Shown(model.name, version, manifest.size,
+                                                      self.deps.clock()))
+            shown.dirs.update(dirs)
+            self._save_locked()
+        return name
+
+    def _state_path(self) -> Path:
+        return Path(self.deps.policy().state_dir) / STATE_FILE
+
+    def _save_locked(self) -> None:
+        doc = {"shown": [{"model": s.model, "version": s.version, "dirs": sorted(s.dirs)}
+                         for s in self.shown.values()]}
+        try:
+            write_atomic(self._state_path(), json.dumps(doc, indent=1).encode(), mode=0o600)
+        except OSError as e:   # the mount works on; a restart would not show it again
+            log.error("mount: saving %s failed: %s", self._state_path(), e)
+
+    def _load(self) -> list[tuple[str, str, list[str]]]:
+        try:
+            doc = json.loads(self._state_path().read_text())
+            return [(str(e["model"]), str(e["version"]), [str(d) for d in e["dirs"]])
+                    for e in doc["shown"]]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.error("mount: %s unreadable (%s): no version shown again", self._state_path(),
+                      e)
+            return []
 
     # -- for the worker, eviction and status ---------------------------------------------------
     def serving(self) -> bool:

@@ -12,6 +12,9 @@ import errno
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +23,16 @@ import pytest
 
 from agent.commands.mount import mount_root
 from agent.mount.kernel import mount_at, unmount
-from tests.daemon_helpers import start_daemon, stop_daemon, wagent, wait_for_socket, write_policy
+from agent.mount.service import FD_NAME
+from tests.daemon_helpers import (
+    ROOT,
+    WAGENT,
+    start_daemon,
+    stop_daemon,
+    wagent,
+    wait_for_socket,
+    write_policy,
+)
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish
 
 # debian: the daemon serves the mount with Debian's pyfuse3 3.2.1 and trio 0.22 too (the
@@ -217,3 +229,112 @@ def test_a_read_fails_with_eio_at_the_deadline_when_no_source_is_good(origin):
         doc = _status(sock)["mounts"]
         assert doc["read_errors"] >= 1
         assert "not verified within 3 s" in doc["errors"][-1]["error"], doc["errors"]
+
+
+class FdStore:
+    """systemd's side of the notify socket, as far as the fd store goes: keeps the descriptors
+    sent with FDSTORE=1, by FDNAME."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.fds: dict[str, int] = {}
+
+    def wait_for(self, name: str, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while name not in self.fds:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data, fds, _, _ = socket.recv_fds(self.sock, 4096, 4)
+            except TimeoutError:
+                raise AssertionError(f"no FDSTORE {name} within {timeout} s") from None
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            if fields.get("FDSTORE") == "1" and fds:
+                self.fds[fields.get("FDNAME", "stored")] = fds[0]
+            else:
+                for fd in fds:
+                    os.close(fd)
+        return self.fds[name]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.sock.close()
+
+
+READER = """
+import sys
+from pathlib import Path
+mount, origin = Path(sys.argv[1]), Path(sys.argv[2])
+for f in sorted(origin.iterdir()):
+    if f.name == "manifest.json":
+        continue
+    with open(mount / f.name, "rb") as got:
+        data = b"".join(iter(lambda: got.read(1 << 20), b""))
+    assert data == f.read_bytes(), f.name
+print("read", flush=True)
+"""
+
+
+AS_SYSTEMD = f"""
+import os, sys
+fd = int(sys.argv[1])
+os.dup2(fd, 3, inheritable=True)
+os.close(fd)
+os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS="1", LISTEN_FDNAMES="{FD_NAME}")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def test_the_mount_and_its_reader_outlive_a_kill_9_of_the_daemon(origin):
+    """The descriptor waits in the fd store (as systemd's) while the daemon is killed and
+    started again; the reader reading meanwhile ends with every byte right."""
+    d, version_dir = origin
+    run = d / "restart"
+    run.mkdir()
+    store = FdStore(run / "notify.sock")
+    sock = run / "control.sock"
+    a = run / "a"
+    a.mkdir()
+    with LoopbackNginx(d / "origin", limit_rate="1m") as nginx:
+        policy = write_policy(run / "policy.yaml", run, sources=[{"url": nginx.url}],
+                              models=[{"name": MODEL, "version": "latest"}],
+                              waves={"gap": "6h"})
+        env = {"NOTIFY_SOCKET": str(store.path)}
+        procs = [start_daemon(policy, env=env, log=run / "daemon.log")]
+        reader = None
+        try:
+            wait_for_socket(sock, procs[0])
+            r = wagent("mount", MODEL, str(a), "--socket", str(sock))
+            assert r.returncode == 0, r.stderr
+            fd = store.wait_for(FD_NAME)
+            reader = subprocess.Popen([sys.executable, "-c", READER, str(a), str(version_dir)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(1.5)                 # it reads pieces the pull hasn't fetched yet
+            assert reader.poll() is None, reader.communicate()
+            procs[0].kill()                 # kill -9: no clean stop
+            procs[0].wait()
+            time.sleep(1.0)                 # the reader waits: no server
+            assert reader.poll() is None, reader.communicate()
+            # as systemd starts the next process: the stored descriptor as fd 3, LISTEN_*
+            # as systemd starts the next process: the stored descriptor as fd 3, LISTEN_*
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", AS_SYSTEMD, str(fd), *WAGENT, "run", "--policy",
+                 str(policy)],
+                pass_fds=(fd,), cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                stdout=open(run / "daemon2.log", "ab"), stderr=subprocess.STDOUT))
+            out, err = reader.communicate(timeout=120)
+            assert reader.returncode == 0 and "read" in out, err
+            assert "took over the mount (1 versions shown)" in (run / "daemon2.log").read_text()
+        finally:
+            if reader is not None and reader.poll() is None:
+                reader.kill()
+            wagent("umount", "--lazy", str(a), "--socket", str(sock))
+            _cleanup_mounts([str(a), mount_root(str(sock))])
+            for p in procs:
+                stop_daemon(p)
+            store.close()
+            for log in ("daemon.log", "daemon2.log"):
+                if (run / log).exists():
+                    print(log, (run / log).read_text()[-4000:])

@@ -4,7 +4,7 @@ store alone."""
 
 import time
 
-from agent.application import worker_deps
+from agent.application import mounts_for, worker_deps
 from agent.identity import Identity
 from agent.parts import Parts
 from agent.policy.model import Backoff, Model, Policy, Shaping, StoreSettings
@@ -128,8 +128,10 @@ def test_the_summary_reads_memory_where_the_snapshot_dumps_tc_and_walks_the_stor
     worker = Worker(policy, worker_deps(pulls))
     shaping = ShapingRuntime(policy, bucket, sockets=connections.sockets,
                              make_shaper=CountingShaper)
+    mounts = mounts_for(lambda: policy, lambda: store, pulls, worker, time.time, time.monotonic)
     parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
-                  pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping)
+                  pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
+                  mounts=mounts)
     shaping.start()
     try:
         (shaper,) = MADE[-1:]
