@@ -21,9 +21,10 @@ port is re-opened.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, cast
@@ -31,7 +32,8 @@ from typing import Protocol, cast
 from agent.control import Controls, ControlServer, prepare_socket_dir, trusted_uids
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.metrics import Metrics, MetricsError
-from agent.mount.service import MountDeps, Mounts
+from agent.mount.service import FD_NAME, MountDeps, Mounts
+from agent.notify import inherited_fds, store_fd
 from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
 from agent.policy import load_policy
@@ -116,7 +118,8 @@ class Application:
                  socket: str | None = None, hostname: str | None = None,
                  node_id: str | None = None, role_override: Path = ROLE_OVERRIDE,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 env: Mapping[str, str] | None = None) -> None:
         self.policy_path = policy_path
         self.state_dir = state_dir
         self.socket = socket
@@ -128,6 +131,9 @@ class Application:
         # The pulls' HTTP deadline watchdog and the pull sockets' registry, made once: the
         # pulls' connections fill the registry, the backoff loop clamps what is in it.
         self.connections = Connections()
+        # the service manager's word (NOTIFY_SOCKET, LISTEN_FDS): where the lazy mount's
+        # descriptor is kept across restarts, and where it comes back from
+        self.env = os.environ if env is None else env
 
     # -- policy -------------------------------------------------------------------------------
     def load(self) -> Policy:
@@ -190,6 +196,13 @@ class Application:
         except BaseException:
             self.stop(parts, 2.0)
             raise
+        # The lazy mount outlives this process in systemd's fd store, and comes back from it.
+        mounts.keep_fd = lambda fd: store_fd(fd, FD_NAME, self.env)
+        for name, fd in inherited_fds(self.env, os.getpid()).items():
+            if name == FD_NAME:
+                mounts.adopt(fd)
+            else:
+                os.close(fd)
         pulls.announce_held()
         log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
                  parts.identity.hostname, parts.identity.role, parts.identity.role_source)

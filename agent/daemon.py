@@ -34,8 +34,8 @@ from typing import Any, NoReturn
 
 from agent import __version__
 from agent.control import ControlError
-from agent.mount.service import FD_NAME, Mounts
-from agent.notify import Notifier, WatchdogGate, inherited_fds, store_fd
+from agent.mount.service import Mounts
+from agent.notify import Notifier, WatchdogGate
 from agent.policy import PolicyError
 from agent.policy.model import Policy
 from agent.status import DaemonState, PolicyInfo, TickSummary, one_line, to_json
@@ -93,14 +93,6 @@ class Daemon:
         the daemon can't run, before READY, so systemd sees a failed start."""
         self.notifier.status("starting: applying shaping")
         self.parts = self.app.start(policy, self)
-        # The lazy mount outlives this process in systemd's fd store, and comes back from it.
-        mounts: Mounts = self.parts.mounts
-        mounts.keep_fd = lambda fd: store_fd(fd, FD_NAME, os.environ)
-        for name, fd in inherited_fds(os.environ, os.getpid()).items():
-            if name == FD_NAME:
-                mounts.adopt(fd)
-            else:
-                os.close(fd)
         self.policy_info = PolicyInfo(path=policy.path, sha256=policy.sha256,
                                       loaded_at=self.clock())
 

@@ -290,6 +290,7 @@ class Mounts:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        self.reader.close()
 
     # -- helpers --------------------------------------------------------------------------------
     def _version(self, model: Model, asked: object) -> str:

@@ -67,8 +67,7 @@ class Demand:
             self._cond.notify_all()
             mine = set(blobs)
             wishes = [(b, p) for b, p in self._wishes if b in mine]
-        # ``want`` puts each first: the last asked ends up first, so ask in reverse
-        for b, p in reversed(wishes):
+        for b, p in wishes:               # served in the order asked
             source.want(b, p)
 
     def wish(self, pieces: list[tuple[str, Piece]]) -> None:
@@ -78,7 +77,7 @@ class Demand:
         with self._cond:
             self._wishes = list(pieces) + [w for w in self._wishes if w not in pieces]
             now = [(self._sources[b], b, p) for b, p in pieces if b in self._sources]
-        for source, b, p in reversed(now):
+        for source, b, p in now:
             source.want(b, p)
 
     def forget(self, blobs: set[str]) -> None:

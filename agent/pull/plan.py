@@ -142,29 +142,30 @@ def requests_for(p: PullPlan, request_size: int, tail: int = 0) -> list[RangeReq
     return out
 
 
-def put_first(queue: collections.deque[RangeRequest], blob: str, offset: int) -> bool:
-    """Moves the piece of ``blob`` at ``offset`` to the front of ``queue``: the request holding
-    it is split, the piece goes first, the rest of that request right after it (a reader
-    mostly reads on), what came before it stays where it was. False if no queued request
-    holds it (a stream is fetching it, or it was never planned).
+def take_piece(queue: collections.deque[RangeRequest], blob: str, offset: int
+               ) -> RangeRequest | None:
+    """Takes the piece of ``blob`` at ``offset`` out of ``queue``, as a request of its own, for
+    a reader waiting on it: the request holding it is split, the rest of that request goes to
+    the front (a reader mostly reads on), what came before it stays where it was. None if no
+    queued request holds it (a stream is fetching it, or it was never planned).
 
     >>> from agent.manifest import Piece
     >>> ps = tuple(Piece(o, 1, "0" * 64) for o in range(4))
     >>> q = collections.deque([RangeRequest("x", ps[:1]), RangeRequest("b", ps)])
-    >>> put_first(q, "b", 2), [(r.blob, [p.offset for p in r.pieces]) for r in q]
-    (True, [('b', [2]), ('b', [3]), ('x', [0]), ('b', [0, 1])])
+    >>> got = take_piece(q, "b", 2)
+    >>> [p.offset for p in got.pieces], [(r.blob, [p.offset for p in r.pieces]) for r in q]
+    ([2], [('b', [3]), ('x', [0]), ('b', [0, 1])])
     """
     for i, req in enumerate(queue):
         if req.blob != blob or not req.pieces[0].offset <= offset <= req.pieces[-1].offset:
             continue
         k = next(j for j, p in enumerate(req.pieces) if p.offset >= offset)
         if req.pieces[k].offset != offset:
-            return False                  # not a piece boundary of this manifest
+            return None                   # not a piece boundary of this manifest
         del queue[i]
         if k:
             queue.insert(i, RangeRequest(blob, req.pieces[:k]))
         if k + 1 < len(req.pieces):
             queue.appendleft(RangeRequest(blob, req.pieces[k + 1:]))
-        queue.appendleft(RangeRequest(blob, (req.pieces[k],)))
-        return True
-    return False
+        return RangeRequest(blob, (req.pieces[k],))
+    return None

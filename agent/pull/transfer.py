@@ -48,7 +48,7 @@ from agent.pull.demand import Demand
 from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Meter
 from agent.pull.options import PullOptions
-from agent.pull.plan import Copy, RangeRequest, put_first
+from agent.pull.plan import Copy, RangeRequest, take_piece
 from agent.redact import redact
 from agent.store import Store
 from agent.store.partial import Partial
@@ -136,6 +136,10 @@ class Transfer:
         # goes first in the queue (``want``), and they hear of every piece that lands.
         self.demand = demand
         self.moved: set[tuple[str, int]] = set()     # pieces put first for a reader (under cond)
+        # ...those pieces, each a request of its own: every stream takes these first, and one
+        # more stream takes only these, so a reader never waits for the streams' requests in
+        # flight to end (seconds each: about 1/64 of the version over one stream's rate)
+        self.urgent: collections.deque[RangeRequest] = collections.deque()
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
@@ -150,10 +154,10 @@ class Transfer:
 
     def want(self, blob: str, piece: Piece) -> bool:
         """For a mount's reader (``agent.pull.demand``): True when ``piece`` of ``blob`` is
-        verified in its partial file; else the request holding it is split so that the piece
-        goes first in the queue, the rest of that request right after it (readers mostly read
-        on), and False. A piece a stream is fetching already, or the copier will copy, is left
-        where it is."""
+        verified in its partial file; else the piece is taken out of its queued request into
+        ``urgent`` (the rest of that request first in the queue: readers mostly read on), and
+        False. A piece a stream is fetching already, or the copier will copy, is left where
+        it is."""
         with self.cond:
             f = self.files.get(blob)
             if f is None:
@@ -163,13 +167,18 @@ class Transfer:
             if (blob, piece.offset) in self.moved:
                 return False
             self.moved.add((blob, piece.offset))
-            if put_first(self.queue, blob, piece.offset):
+            req = take_piece(self.queue, blob, piece.offset)
+            if req is not None:
+                self.urgent.append(req)
                 self.cond.notify_all()
             return False
 
     def _run(self, tick: Callable[[], None], interval: float) -> None:
         workers = [threading.Thread(target=self._stream, args=(i,), name=f"pull-{i}", daemon=True)
                    for i in range(self.s.streams)]
+        if self.demand is not None:
+            workers.append(threading.Thread(target=self._stream, args=(self.s.streams, True),
+                                            name="pull-urgent", daemon=True))
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
         # Files whose pieces were all journaled already: before any stream can touch them.
         for f in list(self.files.values()):
@@ -233,15 +242,24 @@ class Transfer:
                 self.error = error
             self.cond.notify_all()
 
-    def _next(self) -> RangeRequest | None:
+    def _next(self, urgent_only: bool = False) -> RangeRequest | None:
+        """The next request: a reader's first (``urgent``), then the planned ones; only a
+        reader's for the stream that serves nothing else. None once the work has run out."""
         with self.cond:
-            while not self.queue and self.active > 0 and self.error is None \
-                    and not self.stop.is_set():
+            while self.error is None and not self.stop.is_set() and not self.urgent and (
+                    (not self.queue and self.active > 0)
+                    or (urgent_only and (self.queue or self.active > 0))):
                 self.cond.wait(0.2)
-            if not self.queue or self.error is not None or self.stop.is_set():
+            if self.error is not None or self.stop.is_set():
+                return None
+            if self.urgent:
+                req = self.urgent.popleft()
+            elif self.queue and not urgent_only:
+                req = self.queue.popleft()
+            else:
                 return None
             self.active += 1
-            return self.queue.popleft()
+            return req
 
     def _release(self) -> None:
         with self.cond:
@@ -292,11 +310,11 @@ class Transfer:
             self.cond.notify_all()
 
     # -- streams --------------------------------------------------------------------------------
-    def _stream(self, index: int) -> None:
+    def _stream(self, index: int, urgent_only: bool = False) -> None:
         clients: dict[int, Client] = {}
         preferred = 0
         try:
-            while (req := self._next()) is not None:
+            while (req := self._next(urgent_only)) is not None:
                 try:
                     preferred = self._fetch(req, clients, preferred)
                 except PullError as e:

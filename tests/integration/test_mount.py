@@ -58,7 +58,7 @@ def daemon(d: Path, sources: list[str], **sections: object):
     sock = run / "control.sock"
     policy = write_policy(run / "policy.yaml", run, sources=[{"url": u} for u in sources],
                           models=[{"name": MODEL, "version": "latest"}],
-                          waves={"gap": "6h"}, **sections)
+                          waves={"cache_lead": "6h"}, **sections)
     proc = start_daemon(policy, log=run / "daemon.log")
     dirs = [str(run / "a"), str(run / "b")]
     for m in dirs:
@@ -300,7 +300,7 @@ def test_the_mount_and_its_reader_outlive_a_kill_9_of_the_daemon(origin):
     with LoopbackNginx(d / "origin", limit_rate="1m") as nginx:
         policy = write_policy(run / "policy.yaml", run, sources=[{"url": nginx.url}],
                               models=[{"name": MODEL, "version": "latest"}],
-                              waves={"gap": "6h"})
+                              waves={"cache_lead": "6h"})
         env = {"NOTIFY_SOCKET": str(store.path)}
         procs = [start_daemon(policy, env=env, log=run / "daemon.log")]
         reader = None

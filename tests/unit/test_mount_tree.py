@@ -106,10 +106,9 @@ def test_a_whole_blob_needs_no_pull_and_no_pull_means_the_deadline():
     assert 0.25 < time.monotonic() - started < 2
 
 
-def test_wishes_go_to_the_pull_that_attaches_them_most_urgent_last_asked():
+def test_wishes_go_to_the_pull_that_attaches_them_in_order():
     demand, pull = Demand(), FakePull()
     p0, p1 = Piece(0, 1, "0" * 64), Piece(1, 1, "0" * 64)
     demand.wish([("a", p0), ("b", p1), ("z", p0)])
     demand.attach(pull, ["a", "b"])
-    # put_first makes the last asked the first in the queue: asked in reverse
-    assert pull.asked == [("b", 1), ("a", 0)]
+    assert pull.asked == [("a", 0), ("b", 1)]

@@ -62,7 +62,7 @@ def test_schema_fields_and_healthy():
     assert doc["schema"] == SCHEMA == 1
     assert doc["running"] is True
     assert set(doc) == {"schema", "running", "generated_at", "health", "problems", "daemon", "node",
-                        "policy", "shaping", "backoff", "pulls", "window", "store"}
+                        "policy", "shaping", "backoff", "pulls", "window", "store", "mounts"}
     assert doc["health"] == "healthy" and exit_code(doc) == EXIT_HEALTHY
     assert doc["daemon"]["uptime_s"] == 3600
     assert doc["daemon"]["jobs"] == [{"id": "metrics", "next_run_at": None},
@@ -178,3 +178,18 @@ def test_the_tick_reads_the_summary_never_the_status_document(caplog):
         "worker thread backoff died; withholding the watchdog so systemd restarts the daemon"]
     d.status()                          # `wagent status`: the whole document, once
     assert (app.summaries, app.snapshots) == (3, 1)
+
+
+def test_mounts_in_the_document_and_the_text():
+    mounts = {"serving": True, "reads": 9, "read_errors": 1, "bytes_read": 10, "waiting": 2,
+              "wanted": 3, "errors": [{"at": NOW, "error": "m@v1/a: bytes 0+4 not verified"}],
+              "mounts": [{"model": "m", "version": "v1", "dirs": ["/models/m"], "since": NOW,
+                          "bytes_total": 200, "bytes_verified": 50, "complete": False,
+                          "pull": "pulling"}]}
+    doc = to_json(busy_state(mounts=mounts), NOW)
+    assert doc["mounts"] == mounts
+    text = to_text(doc)
+    assert "mount:    m@v1 at /models/m: 25% verified" in text
+    assert "2 reads waiting" in text and "last read error: m@v1/a" in text
+    # none: the document still says so
+    assert to_json(busy_state(), NOW)["mounts"]["mounts"] == []
