@@ -137,6 +137,9 @@ def _ensure_served(root: str, socket: str, serving: bool) -> None:
             raise
     finally:
         os.close(fd)
+    # The kernel sets the read-ahead when the server answers INIT: set before, it would be
+    # undone (seen: 128 KiB reads one time in two). A stat waits for that answer.
+    os.stat(root)
     info = mount_at(root)
     if info is not None:
         try:

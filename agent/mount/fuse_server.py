@@ -257,6 +257,11 @@ class _Operations(pyfuse3.Operations):
         node = self._node(fh)
         self.s.reads += 1
         try:
+            if self.s.reader.complete(node):
+                # A whole blob, read ahead by the kernel (the reader keeps it open): a pread
+                # here costs less than the hop to a thread and back (measured: 0.62x of the
+                # store's own throughput through threads)
+                return self.s.reader.read(node, off, size)
             return await trio.to_thread.run_sync(self.s.reader.read, node, off, size,
                                                  limiter=self.limiter)
         except ReadFailed as e:

@@ -138,6 +138,10 @@ class Reader:
     def close(self) -> None:
         self._blob_fds.close()
 
+    def complete(self, node: Node) -> bool:
+        """The node's file is known to be a whole blob (no waiting to read it)."""
+        return node.blob in self._complete
+
     # -- where the bytes are ------------------------------------------------------------------
     def _whole(self, node: Node) -> bool:
         if node.blob in self._complete:

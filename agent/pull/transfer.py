@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 # a pull still fails within its rounds (``retries``) rather than sleeping on a server's word;
 # the daemon's stall limit (agent.pull.node_pulls) allows for it.
 RETRY_AFTER_CAP = 120.0
+# The longest the other streams stop reading, at a time, while a reader's piece is fetched.
+URGENT_HOLD = 1.0
 
 
 class PullError(Exception):
@@ -140,6 +142,11 @@ class Transfer:
         # more stream takes only these, so a reader never waits for the streams' requests in
         # flight to end (seconds each: about 1/64 of the version over one stream's rate)
         self.urgent: collections.deque[RangeRequest] = collections.deque()
+        # urgent requests being fetched now: the other streams stop reading meanwhile (their
+        # windows close within a round trip), so a reader's piece comes at the link's rate, not
+        # at one stream's share of it
+        self.urgent_fetching = 0
+        self._local = threading.local()
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
@@ -254,6 +261,8 @@ class Transfer:
                 return None
             if self.urgent:
                 req = self.urgent.popleft()
+                self.urgent_fetching += 1
+                self._local.urgent = True
             elif self.queue and not urgent_only:
                 req = self.queue.popleft()
             else:
@@ -264,7 +273,23 @@ class Transfer:
     def _release(self) -> None:
         with self.cond:
             self.active -= 1
+            if getattr(self._local, "urgent", False):
+                self._local.urgent = False
+                self.urgent_fetching -= 1
             self.cond.notify_all()
+
+    def _yield_to_urgent(self) -> None:
+        """A stream on planned work waits while a reader's piece is fetched, up to
+        ``URGENT_HOLD`` at a time (a source slow on that piece doesn't stop the pull)."""
+        if not self.urgent_fetching or getattr(self._local, "urgent", False):
+            return
+        deadline = self.clock() + URGENT_HOLD
+        with self.cond:
+            while self.urgent_fetching and not self.stop.is_set() and self.error is None:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.05))
 
     # -- local copies ---------------------------------------------------------------------------
     def _copy_all(self) -> None:
@@ -454,6 +479,7 @@ class Transfer:
         try:
             for data in body:
                 n = len(data)
+                self._yield_to_urgent()
                 if self.bucket is not None:
                     self.bucket.consume(n, self.stop)
                 with self.cond:

@@ -176,6 +176,8 @@ class Daemon:
         r = wagent("mount", MODEL, d, "--socket", str(self.sock), timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"wagent mount failed ({r.returncode}): {r.stderr}")
+        if r.stderr.strip():
+            print(f"wagent mount said: {r.stderr.strip()}", file=sys.stderr)
         return d
 
     def status(self) -> dict:
