@@ -85,7 +85,8 @@ def run_mount(args: argparse.Namespace) -> int:
     problem = _dir_problem(target)
     if problem is not None:
         return _fail("mount", problem)
-    result = ask_daemon("mount", args.socket,
+    # the daemon may read the manifest from the sources first: longer than a status
+    result = ask_daemon("mount", args.socket, timeout=120.0,
                         args={"model": model, "version": version or None, "dir": target})
     if result is None:
         return 1

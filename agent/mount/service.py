@@ -158,6 +158,12 @@ class Mounts:
         try:
             saved = self._load()
             for model_name, version, dirs in saved:
+                try:
+                    check_name("model", model_name)
+                    check_name("version", version)
+                except ValueError as e:
+                    log.error("mount: %s: %s", self._state_path(), e)
+                    continue
                 model = next((m for m in self.deps.policy().models if m.name == model_name),
                              None)
                 if model is None:

@@ -40,9 +40,10 @@ class NotYet(Exception):
 class PieceSource(Protocol):
     """A running pull, as the readers see it (``agent.pull.transfer.Transfer``)."""
 
-    def want(self, blob: str, piece: Piece) -> bool:
+    def want(self, blob: str, piece: Piece, waiting: bool = True) -> bool:
         """True when the piece is verified in its partial file; else it is put first in the
-        pull's queue (or is being fetched already) and False is returned."""
+        pull's queue (or is being fetched already) and False is returned. ``waiting``: a
+        reader waits for it (False: read-ahead)."""
         ...
 
 
@@ -68,7 +69,7 @@ class Demand:
             mine = set(blobs)
             wishes = [(b, p) for b, p in self._wishes if b in mine]
         for b, p in wishes:               # served in the order asked
-            source.want(b, p)
+            source.want(b, p, waiting=False)
 
     def wish(self, pieces: list[tuple[str, Piece]]) -> None:
         """Read-ahead: pieces readers are about to want, most urgent first (what an engine
@@ -78,7 +79,7 @@ class Demand:
             self._wishes = list(pieces) + [w for w in self._wishes if w not in pieces]
             now = [(self._sources[b], b, p) for b, p in pieces if b in self._sources]
         for source, b, p in now:
-            source.want(b, p)
+            source.want(b, p, waiting=False)
 
     def forget(self, blobs: set[str]) -> None:
         """No reader will want these any more (a version no longer shown)."""
@@ -139,4 +140,4 @@ class Demand:
         with self._cond:
             source = self._sources.get(blob)
         if source is not None:
-            source.want(blob, piece)
+            source.want(blob, piece, waiting=False)

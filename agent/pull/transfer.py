@@ -141,10 +141,12 @@ class Transfer:
         # ...those pieces, each a request of its own: every stream takes these first, and one
         # more stream takes only these, so a reader never waits for the streams' requests in
         # flight to end (seconds each: about 1/64 of the version over one stream's rate)
-        self.urgent: collections.deque[RangeRequest] = collections.deque()
-        # urgent requests being fetched now: the other streams stop reading meanwhile (their
-        # windows close within a round trip), so a reader's piece comes at the link's rate, not
-        # at one stream's share of it
+        # (request, a reader waits for it): read-ahead (hints) is urgent too, but only a piece a
+        # reader waits for stops the other streams
+        self.urgent: collections.deque[tuple[RangeRequest, bool]] = collections.deque()
+        # urgent requests a reader waits for, being fetched now: the other streams stop reading
+        # meanwhile (their windows close within a round trip), so the piece comes at the link's
+        # rate, not at one stream's share of it
         self.urgent_fetching = 0
         self._local = threading.local()
 
@@ -159,12 +161,12 @@ class Transfer:
         finally:
             self.demand.detach(self)
 
-    def want(self, blob: str, piece: Piece) -> bool:
+    def want(self, blob: str, piece: Piece, waiting: bool = True) -> bool:
         """For a mount's reader (``agent.pull.demand``): True when ``piece`` of ``blob`` is
         verified in its partial file; else the piece is taken out of its queued request into
         ``urgent`` (the rest of that request first in the queue: readers mostly read on), and
         False. A piece a stream is fetching already, or the copier will copy, is left where
-        it is."""
+        it is. ``waiting``: a reader waits for it (not read-ahead)."""
         with self.cond:
             f = self.files.get(blob)
             if f is None:
@@ -172,11 +174,17 @@ class Transfer:
             if piece.offset in f.partial.done:
                 return True
             if (blob, piece.offset) in self.moved:
+                if waiting:              # read ahead, now waited for: it stops the others too
+                    for i, (req, waited) in enumerate(self.urgent):
+                        if not waited and req.blob == blob \
+                                and req.pieces[0].offset == piece.offset:
+                            self.urgent[i] = (req, True)
+                            break
                 return False
             self.moved.add((blob, piece.offset))
             req = take_piece(self.queue, blob, piece.offset)
             if req is not None:
-                self.urgent.append(req)
+                self.urgent.append((req, waiting))
                 self.cond.notify_all()
             return False
 
@@ -260,9 +268,10 @@ class Transfer:
             if self.error is not None or self.stop.is_set():
                 return None
             if self.urgent:
-                req = self.urgent.popleft()
-                self.urgent_fetching += 1
-                self._local.urgent = True
+                req, waited = self.urgent.popleft()
+                if waited:
+                    self.urgent_fetching += 1
+                    self._local.urgent = True
             elif self.queue and not urgent_only:
                 req = self.queue.popleft()
             else:

@@ -71,7 +71,7 @@ class FakePull:
         self.done: set[tuple[str, int]] = set()
         self.asked: list[tuple[str, int]] = []
 
-    def want(self, blob: str, piece: Piece) -> bool:
+    def want(self, blob: str, piece: Piece, waiting: bool = True) -> bool:
         if (blob, piece.offset) in self.done:
             return True
         self.asked.append((blob, piece.offset))
