@@ -159,6 +159,26 @@ def test_safe_open_reads_every_tensor_while_the_pull_runs(bed):
     assert _status(sock)["mounts"]["mounts"] == []
 
 
+def test_runai_model_streamer_reads_every_tensor_while_the_pull_runs(bed):
+    """runai-model-streamer (its own native reader, many threads) on the mounted path."""
+    streamer = pytest.importorskip("runai_model_streamer")
+    st = pytest.importorskip("safetensors.numpy")
+    d, sock, version_dir, (a, _) = bed
+    r = wagent("mount", MODEL, a, "--socket", str(sock))
+    assert r.returncode == 0, r.stderr
+    n = 0
+    for shard in sorted(version_dir.glob("*.safetensors")):
+        want = st.load_file(str(shard))
+        with streamer.SafetensorsStreamer() as s:
+            s.stream_file(str(Path(a) / shard.name))
+            for name, tensor in s.get_tensors():
+                assert tensor.numpy().tobytes() == want[name].tobytes(), name
+                n += 1
+    assert n == sum(len(st.load_file(str(f))) for f in version_dir.glob("*.safetensors"))
+    doc = _status(sock)["mounts"]
+    assert doc["wanted"] > 0 and doc["read_errors"] == 0, doc
+
+
 def test_bad_requests_leave_nothing_mounted(bed):
     d, sock, _, (a, b) = bed
     cases = [
