@@ -144,11 +144,12 @@ class Transfer:
         # (request, a reader waits for it): read-ahead (hints) is urgent too, but only a piece a
         # reader waits for stops the other streams
         self.urgent: collections.deque[tuple[RangeRequest, bool]] = collections.deque()
-        # urgent requests a reader waits for, being fetched now: the other streams stop reading
-        # meanwhile (their windows close within a round trip), so the piece comes at the link's
-        # rate, not at one stream's share of it
-        self.urgent_fetching = 0
-        self._local = threading.local()
+        # the streams (thread ids) fetching a piece a reader waits for, and what each stream
+        # fetches now: while any fetches such a piece, the other streams stop reading (their
+        # windows close within a round trip), so the piece comes at the link's rate, not at one
+        # stream's share of it; a piece already in flight when a reader asks is boosted so too
+        self.boosted: set[int] = set()
+        self.fetching: dict[int, RangeRequest] = {}
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
@@ -174,19 +175,36 @@ class Transfer:
             if piece.offset in f.partial.done:
                 return True
             if (blob, piece.offset) in self.moved:
-                if waiting:              # read ahead, now waited for: it stops the others too
-                    for i, (req, waited) in enumerate(self.urgent):
+                if waiting:              # read ahead, now waited for: first, and it stops
+                    for i, (req, waited) in enumerate(self.urgent):     # the others too
                         if not waited and req.blob == blob \
                                 and req.pieces[0].offset == piece.offset:
-                            self.urgent[i] = (req, True)
+                            del self.urgent[i]
+                            self.urgent.appendleft((req, True))
                             break
+                    else:
+                        self._boost_locked(blob, piece.offset)
                 return False
             self.moved.add((blob, piece.offset))
             req = take_piece(self.queue, blob, piece.offset)
+            if req is None and waiting:
+                self._boost_locked(blob, piece.offset)
             if req is not None:
-                self.urgent.append((req, waiting))
+                # a piece a reader waits for goes before any read-ahead (an engine's next
+                # tensor must not wait behind every shard's header)
+                if waiting:
+                    self.urgent.appendleft((req, True))
+                else:
+                    self.urgent.append((req, False))
                 self.cond.notify_all()
             return False
+
+    def _boost_locked(self, blob: str, offset: int) -> None:
+        """The stream fetching this piece now (if one is) goes on alone (``_yield_to_urgent``)."""
+        for tid, r in self.fetching.items():
+            if r.blob == blob and r.pieces[0].offset <= offset <= r.pieces[-1].offset:
+                self.boosted.add(tid)
+                return
 
     def _run(self, tick: Callable[[], None], interval: float) -> None:
         workers = [threading.Thread(target=self._stream, args=(i,), name=f"pull-{i}", daemon=True)
@@ -270,31 +288,32 @@ class Transfer:
             if self.urgent:
                 req, waited = self.urgent.popleft()
                 if waited:
-                    self.urgent_fetching += 1
-                    self._local.urgent = True
+                    self.boosted.add(threading.get_ident())
             elif self.queue and not urgent_only:
                 req = self.queue.popleft()
             else:
                 return None
+            self.fetching[threading.get_ident()] = req
             self.active += 1
             return req
 
     def _release(self) -> None:
         with self.cond:
             self.active -= 1
-            if getattr(self._local, "urgent", False):
-                self._local.urgent = False
-                self.urgent_fetching -= 1
+            self.fetching.pop(threading.get_ident(), None)
+            self.boosted.discard(threading.get_ident())
             self.cond.notify_all()
 
     def _yield_to_urgent(self) -> None:
         """A stream on planned work waits while a reader's piece is fetched, up to
         ``URGENT_HOLD`` at a time (a source slow on that piece doesn't stop the pull)."""
-        if not self.urgent_fetching or getattr(self._local, "urgent", False):
+        me = threading.get_ident()
+        if not self.boosted or me in self.boosted:
             return
         deadline = self.clock() + URGENT_HOLD
         with self.cond:
-            while self.urgent_fetching and not self.stop.is_set() and self.error is None:
+            while self.boosted and me not in self.boosted and not self.stop.is_set() \
+                    and self.error is None:
                 left = deadline - self.clock()
                 if left <= 0:
                     return
