@@ -138,11 +138,10 @@ class Transfer:
         # goes first in the queue (``want``), and they hear of every piece that lands.
         self.demand = demand
         self.moved: set[tuple[str, int]] = set()     # pieces put first for a reader (under cond)
-        # ...those pieces, each a request of its own: every stream takes these first, and one
-        # more stream takes only these, so a reader never waits for the streams' requests in
-        # flight to end (seconds each: about 1/64 of the version over one stream's rate)
-        # (request, a reader waits for it): read-ahead (hints) is urgent too, but only a piece a
-        # reader waits for stops the other streams
+        # ...those pieces, each a request of its own, with whether a reader waits for it (else
+        # read-ahead): every stream takes these first, and one more stream takes only these, so
+        # a reader never waits for the requests in flight to end (seconds each: about 1/64 of
+        # the version over one stream's rate); only a piece a reader waits for is boosted
         self.urgent: collections.deque[tuple[RangeRequest, bool]] = collections.deque()
         # the streams (thread ids) fetching a piece a reader waits for, and what each stream
         # fetches now: while any fetches such a piece, the other streams stop reading (their
