@@ -134,6 +134,7 @@ class FuseServer:
         except BaseException:
             log.exception("the FUSE server failed")
         finally:
+            self._started.set()          # failed before serving: start() must not wait on
             # close() closes the descriptor pyfuse3 was given (our duplicate); the mount itself
             # is the CLI's to remove (``wagent umount``).
             pyfuse3.close(unmount=False)

@@ -338,9 +338,13 @@ class Mounts:
         return why
 
     def _read_error(self, message: str) -> None:
-        log.error("mount: %s", message)
+        # The kernel retries a failed read on every fault: the journal hears each reason once
+        # in a row, status keeps the last few with their times.
         with self.lock:
+            again = bool(self.errors) and self.errors[-1][1] == message
             self.errors.append((self.deps.clock(), message))
+        if not again:
+            log.error("mount: %s", message)
 
 
 def read_ahead(m: Manifest) -> list[tuple[str, Piece]]:
