@@ -90,12 +90,11 @@ def worker_deps(pulls: NodePulls) -> WorkerDeps:
 
 
 def mounts_for(policy: Callable[[], Policy], store: Callable[[], Store], pulls: NodePulls,
-               worker: Worker, clock: Callable[[], float], monotonic: Callable[[], float]
-               ) -> Mounts:
+               worker: Worker, demand: Demand, clock: Callable[[], float],
+               monotonic: Callable[[], float]) -> Mounts:
     """The lazy mounts of a daemon: their readers wait on the pulls' pieces (a ``Demand`` the
     pulls share), their versions are pulled at once and never evicted. ``policy`` and ``store``
     are read late: a reload replaces the policy and may replace the store."""
-    demand = Demand(monotonic)
     pulls.demand = demand
     mounts = Mounts(MountDeps(
         policy=policy, store=store, demand=demand,
@@ -175,13 +174,17 @@ class Application:
         pulls = NodePulls(policy, self.identify(policy), store, bucket, clock=self.clock,
                           pulling=lambda: worker.pulling(), connections=self.connections)
         worker = Worker(policy, worker_deps(pulls))
+        # the lazy mounts' readers waiting on the pulls' pieces; the backoff lifts the pull for
+        # them (mounts.read_floor)
+        demand = Demand(self.monotonic)
         shaping = ShapingRuntime(policy, bucket, sockets=self.connections.sockets,
                                  clock=self.monotonic,
-                                 bytes_read=lambda: sum(worker.fetched_totals().values()))
+                                 bytes_read=lambda: sum(worker.fetched_totals().values()),
+                                 readers_waiting=lambda: demand.waiting > 0)
         # Lazy mounts: their readers wait on the pulls' pieces (``demand``), their versions are
         # pulled at once and never evicted. The deps read ``parts`` late: a reload replaces the
         # policy and may replace the store.
-        mounts = mounts_for(lambda: parts.policy, lambda: parts.store, pulls, worker,
+        mounts = mounts_for(lambda: parts.policy, lambda: parts.store, pulls, worker, demand,
                             self.clock, self.monotonic)
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
@@ -198,11 +201,15 @@ class Application:
             raise
         # The lazy mount outlives this process in systemd's fd store, and comes back from it.
         mounts.keep_fd = lambda fd: store_fd(fd, FD_NAME, self.env)
+        fuse_fd = None
         for name, fd in inherited_fds(self.env, os.getpid()).items():
-            if name == FD_NAME:
-                mounts.adopt(fd)
+            if name == FD_NAME and fuse_fd is None:
+                fuse_fd = fd
             else:
                 os.close(fd)
+        # what the previous process showed: the store's views always, the FUSE mount's
+        # versions when its descriptor came back
+        mounts.adopt(fuse_fd)
         pulls.announce_held()
         log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
                  parts.identity.hostname, parts.identity.role, parts.identity.role_source)

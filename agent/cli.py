@@ -19,9 +19,13 @@ EXIT_BROKEN_PIPE = 141              # 128 + SIGPIPE, as the shell reports a comm
 # Order is the order of `wagent --help`.
 SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "pull",
                "wait", "mount", "store", "shaping", "plan")
+REGISTERED_BY = {"umount": "mount"}     # subcommands a module above registers beside its own
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``command`` alone when given (a subcommand's modules import what it runs:
+    the daemon's whole stack for ``run``; ``wagent mount`` in an engine's ExecStartPre
+    shouldn't pay for it), of every subcommand otherwise (``wagent --help``, a typo)."""
     parser = argparse.ArgumentParser(
         prog="wagent",
         description="Pull model weights onto this node in the background, shaped so that "
@@ -33,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in SUBCOMMANDS:
+    command = REGISTERED_BY.get(command or "", command)
+    for name in SUBCOMMANDS if command not in SUBCOMMANDS else (command,):
         module = importlib.import_module(f"agent.commands.{name}")
         module.register(sub)
     return parser
@@ -50,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     # -v anywhere on the line (``wagent pull URL -v``): argparse only knows it before COMMAND.
     verbose = sum(_verbosity(a) for a in argv if a != "--")
-    args = parser.parse_args([a for a in argv if not _verbosity(a)])
+    argv = [a for a in argv if not _verbosity(a)]
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    args = parser.parse_args(argv)
     args.verbose = verbose
     logs.setup(verbose)
     try:

@@ -456,8 +456,12 @@ def to_text(doc: Mapping[str, Any]) -> str:
     for m in mounts["mounts"]:
         share = m["bytes_verified"] / m["bytes_total"] if m["bytes_total"] else 1.0
         done = "complete" if m["complete"] else f"{100 * share:.0f}% verified"
+        if m.get("from") == "store":
+            how = " (bound from the store)"
+        else:
+            how = "" if mounts["serving"] else " (no FUSE server: readers wait)"
         lines.append(f"mount:    {m['model']}@{m['version']} at {', '.join(m['dirs'])}: {done}"
-                     + ("" if mounts["serving"] else " (no FUSE server: readers wait)"))
+                     + how)
     if mounts["waiting"]:
         lines.append(f"mounts:   {mounts['waiting']} reads waiting for their pieces")
     for e in mounts["errors"][-1:]:

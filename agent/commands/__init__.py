@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.control import ControlError, NotRunning, call
-from agent.policy import PolicyError, load_policy
-from agent.store import Store
 from agent.units import UnitError, parse_option_duration
+
+if TYPE_CHECKING:
+    from agent.store import Store
 
 DEFAULT_POLICY = "/etc/wagent/policy.yaml"
 DEFAULT_STORE = "/var/cache/wagent"
@@ -66,6 +67,8 @@ def existing_store(args: argparse.Namespace, cmd: str) -> Store | None:
               f"with --store DIR, or the policy that names it with --policy PATH",
               file=sys.stderr)
         return None
+    # imported here: the commands that read no store start faster without it
+    from agent.store import Store
     return Store(root)
 
 
@@ -75,6 +78,7 @@ def store_root(args: argparse.Namespace) -> str:
     if args.store:
         return str(args.store)
     if os.path.exists(args.policy):
+        from agent.policy import PolicyError, load_policy
         try:
             return load_policy(args.policy).store.path
         except PolicyError:

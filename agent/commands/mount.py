@@ -36,6 +36,7 @@ from agent.mount.kernel import (
     set_read_ahead,
     unmount,
 )
+from agent.store.views import VIEWS
 
 MOUNT_ROOTS = "/run/wagent-mount"
 READ_AHEAD_KB = 1024        # 1 MiB FUSE reads (measured: 2.1 GB/s against 0.66 at 128 KiB)
@@ -90,19 +91,35 @@ def run_mount(args: argparse.Namespace) -> int:
                         args={"model": model, "version": version or None, "dir": target})
     if result is None:
         return 1
+    view = result.get("view")
     try:
-        root = mount_root(args.socket)
-        _ensure_served(root, args.socket, bool(result.get("serving")))
-        bind_mount(os.path.join(root, result["entry"]), target)
+        if isinstance(view, str):
+            # complete in the store: its view (hard links to the blobs), no FUSE in the way
+            bind_mount(view, target)
+        else:
+            root = mount_root(args.socket)
+            _ensure_served(root, args.socket, bool(result.get("serving")))
+            bind_mount(os.path.join(root, result["entry"]), target)
     except (MountError, ControlError, OSError) as e:
         try:
             call(args.socket, "umount", {"dir": target})
         except ControlError:
             pass
         return _fail("mount", str(e))
-    print(f"{result['model']}@{result['version']} mounted read-only at {target}; pieces not "
-          "here yet are fetched first when read (wagent status shows progress)")
+    if isinstance(view, str):
+        print(f"{result['model']}@{result['version']} mounted read-only at {target}, from the "
+              "store (complete)")
+    else:
+        print(f"{result['model']}@{result['version']} mounted read-only at {target}; pieces "
+              "not here yet are fetched first when read (wagent status shows progress)")
     return 0
+
+
+def _is_view(root: str) -> bool:
+    """A bind of a store's view (``agent.store.views``): ``.../views/MODEL@VERSION`` within its
+    filesystem, as mountinfo gives a bind's root."""
+    parent, _, name = root.rpartition("/")
+    return parent.rpartition("/")[2] == VIEWS and "@" in name
 
 
 def _dir_problem(target: str) -> str | None:
@@ -154,7 +171,7 @@ def run_umount(args: argparse.Namespace) -> int:
         return _fail("umount", "run it as root: it unmounts")
     target = os.path.abspath(args.dir)
     info = mount_at(target)
-    if info is None or info.fstype != FSTYPE:
+    if info is None or not (info.fstype == FSTYPE or _is_view(info.root)):
         return _fail("umount", f"{target} is not a `wagent mount`")
     try:
         unmount(target, lazy=args.lazy)

@@ -16,6 +16,10 @@ control socket's threads:
    once no directory shows it. The answer says how many are left: at none, the CLI unmounts the
    root and the server ends.
 
+A version complete in the store when it is first mounted needs no server: ``mount`` answers with
+its view (``agent.store.views``, hard links to its blobs) and the CLI binds that instead, so
+engines read the store's files at the disk's speed. Its view goes with its last directory.
+
 A restart keeps the mount: the descriptor goes to systemd's fd store as soon as it is served
 (``keep_fd``), the versions shown and their directories to ``{state_dir}/mounts.json``; the next
 process gets the descriptor back (``adopt``), shows the same versions under the same inode
@@ -48,7 +52,8 @@ from agent.mount.tree import Tree, Version, entry_name
 from agent.policy.model import Model, Policy
 from agent.pull.demand import Demand
 from agent.status import PullInfo
-from agent.store import Store
+from agent.store import Store, StoreError
+from agent.store.views import drop_stale, drop_view, make_view
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ class Shown:
     size: int
     since: float
     dirs: set[str] = field(default_factory=set)
+    # the store's view bound instead of the FUSE mount (a version complete when first mounted,
+    # ``agent.store.views``); None: shown by the FUSE server
+    view: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,12 +130,35 @@ class Mounts:
         except Exception as e:
             raise ControlError(f"{model.name} {version}: its manifest can't be read: {e}",
                                "not_found") from None
-        name = self._show(model, version, manifest, [directory])
+        view = self._view_for(model.name, version)
+        name = self._show(model, version, manifest, [directory], view)
+        if view is not None:
+            log.info("mount: %s shown at %s from the store (complete: a bind of its view %s)",
+                     name, directory, view)
+            return {"entry": name, "model": model.name, "version": version, "view": view,
+                    "serving": self.serving()}
         log.info("mount: %s shown at %s", name, directory)
         self.deps.demand.wish(read_ahead(manifest))
         self.deps.wake(model.name)
         return {"entry": name, "model": model.name, "version": version,
                 "serving": self.serving()}
+
+    def _view_for(self, model: str, version: str) -> str | None:
+        """The store's view to bind when the version is complete there and not shown by the
+        FUSE server already (one way per version: its directories read alike); else None."""
+        with self.lock:
+            shown = self.shown.get(entry_name(model, version))
+        if shown is not None:
+            return shown.view
+        store = self.deps.store()
+        if store.installed(model, version) is None:
+            return None
+        try:
+            return str(make_view(store, model, version))
+        except (OSError, StoreError) as e:   # the FUSE mount serves it as well, slower
+            log.warning("mount: no view of %s@%s in the store (%s): the FUSE mount serves it",
+                        model, version, e)
+            return None
 
     def serve_fuse(self, fds: Iterable[int]) -> dict[str, Any]:
         """Starts the FUSE server on the first descriptor (the others are closed)."""
@@ -152,12 +183,19 @@ class Mounts:
             for fd in fds:
                 os.close(fd)
 
-    def adopt(self, fd: int) -> None:
-        """After a restart: ``fd`` came back from the fd store. The versions shown before are
-        shown again (same inodes), then the mount is taken over; its readers go on."""
+    def adopt(self, fd: int | None) -> None:
+        """After a restart: the versions shown before are shown again, those bound from the
+        store's views always, those of the FUSE mount when its descriptor came back from the
+        fd store (``fd``; same inodes), and the mount is taken over: its readers go on. Views
+        no mount shows any more are removed."""
         try:
             saved = self._load()
-            for model_name, version, dirs in saved:
+            for model_name, version, dirs, view in saved:
+                if view is None and fd is None:
+                    log.warning("mount: %s@%s was shown by the FUSE mount, whose descriptor "
+                                "didn't come back (no fd store): not shown again",
+                                model_name, version)
+                    continue
                 try:
                     check_name("model", model_name)
                     check_name("version", version)
@@ -171,19 +209,26 @@ class Mounts:
                                 model_name, version)
                     continue
                 try:
-                    self._show(model, version, self.deps.manifest(model, version), dirs)
+                    if view is not None:
+                        view = str(make_view(self.deps.store(), model_name, version))
+                    self._show(model, version, self.deps.manifest(model, version), dirs, view)
                 except Exception as e:
                     log.error("mount: %s@%s can't be shown again: %s", model_name, version, e)
                     continue
                 self.deps.wake(model.name)
             with self.lock:
                 self._save_locked()
-            self._serve(fd, taking_over=True)
-            log.info("mount: took over the mount (%d versions shown)", len(self.shown))
+                keep = {n for n, s in self.shown.items() if s.view is not None}
+            for gone in drop_stale(self.deps.store(), keep):
+                log.info("mount: removed the view %s: no mount shows it", gone)
+            if fd is not None:
+                self._serve(fd, taking_over=True)
+                log.info("mount: took over the mount (%d versions shown)", len(self.shown))
         except Exception as e:
             log.error("mount: taking over the mount failed: %s", e)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def _serve(self, fd: int, *, taking_over: bool) -> None:
         from agent.mount.fuse_server import FuseServer  # pyfuse3: only once a mount comes
@@ -198,6 +243,7 @@ class Mounts:
 
     def umount(self, args: Mapping[str, Any]) -> dict[str, Any]:
         directory = _text(args, "dir")
+        unviewed: Shown | None = None
         with self.lock:
             name = next((n for n, s in self.shown.items() if directory in s.dirs), None)
             if name is not None:
@@ -205,16 +251,26 @@ class Mounts:
                 shown.dirs.discard(directory)
                 if not shown.dirs:
                     del self.shown[name]
-                    v = self.tree.versions[name]
-                    self.tree.remove(name)
-                    self.deps.demand.forget({blob_id(f) for f in v.manifest.files})
+                    if shown.view is not None:
+                        unviewed = shown
+                    else:
+                        v = self.tree.versions[name]
+                        self.tree.remove(name)
+                        self.deps.demand.forget({blob_id(f) for f in v.manifest.files})
                 self._save_locked()
-            left = sum(len(s.dirs) for s in self.shown.values())
+            # the FUSE mount's directories: at none, the CLI unmounts its root
+            left = sum(len(s.dirs) for s in self.shown.values() if s.view is None)
+        if unviewed is not None:
+            try:
+                drop_view(self.deps.store(), unviewed.model, unviewed.version)
+            except OSError as e:         # the next start removes it
+                log.warning("umount: the view of %s stays until the next start: %s", name, e)
         if name is not None:
             log.info("umount: %s no longer shown at %s", name, directory)
         return {"entry": name, "left": left}
 
-    def _show(self, model: Model, version: str, manifest: Manifest, dirs: list[str]) -> str:
+    def _show(self, model: Model, version: str, manifest: Manifest, dirs: list[str],
+              view: str | None = None) -> str:
         try:
             published = published_ts(manifest.published)
         except (TypeError, ValueError):
@@ -226,9 +282,10 @@ class Mounts:
                     if d in shown.dirs:
                         raise ControlError(f"{d} shows {shown.model}@{shown.version} "
                                            "already (wagent umount it first)", "busy")
-            self.tree.add(Version(model.name, version, manifest, published))
+            if view is None:
+                self.tree.add(Version(model.name, version, manifest, published))
             shown = self.shown.setdefault(name, Shown(model.name, version, manifest.size,
-                                                      self.deps.clock()))
+                                                      self.deps.clock(), view=view))
             shown.dirs.update(dirs)
             self._save_locked()
         return name
@@ -237,17 +294,19 @@ class Mounts:
         return Path(self.deps.policy().state_dir) / STATE_FILE
 
     def _save_locked(self) -> None:
-        doc = {"shown": [{"model": s.model, "version": s.version, "dirs": sorted(s.dirs)}
-                         for s in self.shown.values()]}
+        doc = {"shown": [{"model": s.model, "version": s.version, "dirs": sorted(s.dirs),
+                          "view": s.view is not None} for s in self.shown.values()]}
         try:
             write_atomic(self._state_path(), json.dumps(doc, indent=1).encode(), mode=0o600)
         except OSError as e:   # the mount works on; a restart would not show it again
             log.error("mount: saving %s failed: %s", self._state_path(), e)
 
-    def _load(self) -> list[tuple[str, str, list[str]]]:
+    def _load(self) -> list[tuple[str, str, list[str], str | None]]:
+        """(model, version, directories, "view" when bound from the store's view, else None)"""
         try:
             doc = json.loads(self._state_path().read_text())
-            return [(str(e["model"]), str(e["version"]), [str(d) for d in e["dirs"]])
+            return [(str(e["model"]), str(e["version"]), [str(d) for d in e["dirs"]],
+                     "view" if e.get("view") is True else None)
                     for e in doc["shown"]]
         except FileNotFoundError:
             return []
@@ -282,6 +341,7 @@ class Mounts:
             done = s.size if installed else (
                 info.bytes_done if info is not None and info.version == s.version else 0)
             rows.append({"model": s.model, "version": s.version, "dirs": sorted(s.dirs),
+                         "from": "store" if s.view is not None else "fuse",
                          "since": s.since, "bytes_total": s.size, "bytes_verified": done,
                          "complete": installed,
                          "pull": info.state if info is not None else None})

@@ -212,6 +212,13 @@ class Mounts:
     # then fails with EIO. Long: an engine dies on a read error (a bus error for mmap), while
     # a wait costs it only time, so EIO is for a version no source can serve at all.
     read_deadline: float = duration_field(600.0, min=1.0, max=86400.0)
+    # While a reader waits for bytes, the pull runs at least this fast whatever the backoff
+    # says (never above its cap), unless training is identified on the node (a training port,
+    # RDMA, NCCL): then it yields as ever. A share is of shaping.link_rate (the Policy resolves
+    # it to bits/s, as the backoff's); null keeps readers inside the backoff. Half: an engine
+    # starting serves nothing until its bytes come, and the link's other traffic (another
+    # engine's requests, say) keeps the other half.
+    read_floor: int | Share | None = share_field(Share(50.0))
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,10 @@ class Policy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backoff", self.backoff.resolved(self.shaping.link_rate))
+        if isinstance(self.mounts.read_floor, Share):
+            object.__setattr__(self, "mounts", replace(
+                self.mounts, read_floor=resolve_rate(self.mounts.read_floor,
+                                                     self.shaping.link_rate)))
         if any(w.tz != self.timezone for r in self.roles for w in r.windows):
             # Every window reads its cron on the policy's clock: one place says which.
             object.__setattr__(self, "roles", tuple(

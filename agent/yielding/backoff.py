@@ -36,10 +36,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.policy.model import Policy
-from agent.units import format_rate
+from agent.units import format_rate, resolve_rate
 from agent.yielding.account import Account
 from agent.yielding.bursts import BurstGate, BurstState, Sustained, slow_view
-from agent.yielding.controller import FULL, Controller, Decision
+from agent.yielding.controller import FULL, Controller, Decision, for_readers
 from agent.yielding.detect import Detectors
 from agent.yielding.detect.readings import Readings
 from agent.yielding.sockets import StreamsSample
@@ -47,10 +47,15 @@ from shaping.observed import LinkCounters
 
 log = logging.getLogger("wagent.backoff")
 
-RateSink = Callable[[int], Any]
+RateSink = Callable[[int], Any]     # the receive windows' also takes None: no clamp
+WINDOWS = "receive windows"
 DistributionSource = Callable[[], Mapping[str, LinkCounters] | None]
 MIN_TICK = 0.01
 HISTORY = 600  # decisions kept for status and benchmarks (1 min at the default 100 ms)
+# An engine's reads come one after another (a shard's header, then its tensors): between two,
+# no reader waits for a tick or two. The lift stays that long after the last one waited, so the
+# pull doesn't drop to the floor, its streams trickle and the next read start from there.
+READERS_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,15 +112,21 @@ class BackoffLoop:
                  streams: Callable[[], StreamsSample] | None = None,
                  training_present: Callable[[bool], Any] | None = None,
                  bursts: BurstGate | None = None, tick: float = 0.1,
+                 readers_waiting: Callable[[], bool] | None = None, read_floor: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Any] | None = None) -> None:
+        """``readers_waiting``: whether a reader of a lazy mount waits for bytes now; while one
+        does, the sinks get at least ``read_floor`` bits/s (``controller.for_readers``)."""
         self.controller = controller
+        self.readers_waiting = readers_waiting
+        self.read_floor = read_floor
+        self._readers_at: float | None = None   # the last tick a reader waited
         self.detectors = detectors
         self.sinks: dict[str, RateSink] = {}
         # The windows first: they act within a round trip; the bucket next; the ceil (the hard
         # cap, a netlink request) last.
         if set_windows is not None:
-            self.sinks["receive windows"] = set_windows
+            self.sinks[WINDOWS] = set_windows
         if set_pull_rate is not None:
             self.sinks["pull rate"] = set_pull_rate
         if set_kernel_ceil is not None:
@@ -154,6 +165,14 @@ class BackoffLoop:
         self._last_tick: float | None = None
 
     @property
+    def hold_floor(self) -> int:
+        """The rate at and under which the fast path no longer holds the readers on a cut: the
+        controller's floor, or the rate a waiting reader lifted the pull to (its bytes don't
+        wait out the link's other traffic's bursts either)."""
+        d = self.decision
+        return d.rate_bps if d is not None and d.lifted else self.controller.floor
+
+    @property
     def events(self) -> int:
         """How many times training traffic made the loop back off."""
         return self.controller.events
@@ -175,8 +194,21 @@ class BackoffLoop:
             judged = readings if bursts is None else slow_view(
                 readings, self._sustained.see(bursts, now_ns))
             decision = self.controller.step(judged, now)
-        moved = before is None or before.rate_bps != decision.rate_bps
+            if self.readers_waiting is not None and self.readers_waiting():
+                self._readers_at = now
+            if self.read_floor and self._readers_at is not None \
+                    and now - self._readers_at < READERS_GRACE:
+                decision = for_readers(decision, self.read_floor, self.controller.cap)
+        moved = before is None or (before.rate_bps, before.lifted) != (decision.rate_bps,
+                                                                       decision.lifted)
         for name, sink in self.sinks.items():
+            if name == WINDOWS and decision.lifted:
+                # For a waiting reader the pull competes with the link's other traffic: windows
+                # sized for the base RTT would leave it a trickle behind that traffic's queue.
+                # The bucket holds it to the lifted rate.
+                if moved or name in self._failed:
+                    self._apply(name, sink, None)
+                continue
             # A sink that can say what it holds is trusted over the decision's history: someone
             # else (a --rate given at start, a reload) may have moved it since.
             current = getattr(sink, "current", None)
@@ -186,14 +218,13 @@ class BackoffLoop:
                         continue
                 elif not moved and name not in self._failed:
                     continue
-                sink(decision.rate_bps)
             except Exception as e:  # keep the other side moving; retried next tick
                 self.apply_errors += 1
-                self._note_error(f"setting {name} to {format_rate(decision.rate_bps)}: {e}")
+                self._note_error(f"reading {name}: {e}")
                 self._failed.add(name)
-            else:
-                self._failed.discard(name)
-        if decision.changed:
+                continue
+            self._apply(name, sink, decision.rate_bps)
+        if decision.changed or (before is not None and before.lifted != decision.lifted):
             log.info("distribution rate %s (%s): %s", format_rate(decision.rate_bps),
                      decision.state, decision.reason)
         for err in readings.errors:
@@ -205,8 +236,9 @@ class BackoffLoop:
             except Exception as e:
                 self._note_error(f"reading the pull sockets: {e}")
         was_present = bool(self._present)   # what the tick that just ended ran under
-        present = (decision.state != FULL or readings.training_connections > 0
-                   or bool(readings.nccl) or (bursts is not None and bursts.recent(now_ns)))
+        present = (readings.training_connections > 0 or bool(readings.nccl)
+                   or (not decision.lifted and (decision.state != FULL or (
+                       bursts is not None and bursts.recent(now_ns)))))
         if self.training_present is not None and present != self._present:
             try:
                 self.training_present(present)
@@ -259,6 +291,7 @@ class BackoffLoop:
             c.link = policy.shaping.link_rate
             c.backoff = policy.backoff
             c.set_cap(cap_for(policy, rate))
+            self.read_floor = read_floor_for(policy)
             if rebuild:
                 self.detectors = Detectors.from_policy(policy.backoff, policy.shaping.interfaces,
                                                        link=self.detectors.link is not None)
@@ -315,6 +348,17 @@ class BackoffLoop:
             anticipated=self._anticipated(),
         )
 
+    def _apply(self, name: str, sink: RateSink, rate: int | None) -> None:
+        try:
+            sink(rate)
+        except Exception as e:  # keep the other side moving; retried next tick
+            self.apply_errors += 1
+            what = format_rate(rate) if rate is not None else "no limit"
+            self._note_error(f"setting {name} to {what}: {e}")
+            self._failed.add(name)
+        else:
+            self._failed.discard(name)
+
     def _anticipated(self) -> int:
         gate = self.bursts
         return gate.rhythm.anticipated if gate is not None and gate.rhythm is not None else 0
@@ -323,6 +367,12 @@ class BackoffLoop:
         if text != self.last_error:
             log.warning("backoff: %s", text)
         self.last_error = text
+
+
+def read_floor_for(policy: Policy) -> int:
+    """``mounts.read_floor`` in bits/s (a share of the link resolved by the ``Policy``); 0 for
+    none."""
+    return resolve_rate(policy.mounts.read_floor, policy.shaping.link_rate) or 0
 
 
 def cap_for(policy: Policy, rate: int | None = None) -> int:

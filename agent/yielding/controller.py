@@ -31,7 +31,7 @@ the cap, where the state is "full" again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agent.policy.model import Backoff
 from agent.units import format_rate
@@ -41,6 +41,9 @@ FULL, BACKED_OFF, RAMPING = "full", "backed_off", "ramping"
 # The kinds of signal that make the controller back off (metrics label them by these names).
 TRAINING_PORT, LINK, RDMA, NCCL = "training_port", "link", "rdma", "nccl"
 SIGNAL_KINDS = (TRAINING_PORT, LINK, RDMA, NCCL)
+# The signals that name training (a port, the RDMA counters, a process): the link's other
+# traffic is anything, an inference engine's requests as much as a training step.
+IDENTIFIED = (TRAINING_PORT, RDMA, NCCL)
 QUIET_FRACTION = 0.5          # quiet means below half the trigger thresholds
 RDMA_OPS_THRESHOLD = 1000.0   # RDMA requests/s that count when no byte counter is readable
 MAX_REASONS = 2
@@ -62,6 +65,9 @@ class Decision:
     changed: bool             # rate or state differs from the previous tick's
     since: float              # when the current state began
     signals: tuple[str, ...] = ()  # kinds behind a backoff this tick (empty when not training)
+    # training an IDENTIFIED signal named, this tick or within ``quiet`` before it
+    identified: bool = False
+    lifted: bool = False           # raised to ``mounts.read_floor`` for a waiting reader
 
 
 def assess(readings: Readings, backoff: Backoff, link_bps: int | None = None) -> Signal:
@@ -138,6 +144,7 @@ class Controller:
         self._busy_at: float | None = None     # last tick that was not quiet
         self._reason = "no training traffic"
         self._cause = ""                       # the last training reason, kept while quiet
+        self._identified_at: float | None = None   # last tick an IDENTIFIED signal fired
         self.events = 0                        # times training cut the rate from full/ramping
         self.events_by_signal: dict[str, int] = {}   # the same, counted per signal kind
 
@@ -174,6 +181,8 @@ class Controller:
                 self.events += 1
                 for kind in signal.kinds:
                     self.events_by_signal[kind] = self.events_by_signal.get(kind, 0) + 1
+            if any(k in IDENTIFIED for k in signal.kinds):
+                self._identified_at = now
             self._rate = self._cut(self._rate)
             self._reason = self._cause = signal.reason
             return self._decide(prev, BACKED_OFF, now, signal.kinds)
@@ -210,5 +219,28 @@ class Controller:
             self._since = now
         self._state = state
         assert self._since is not None
+        identified = self._identified_at is not None \
+            and now - self._identified_at < self.backoff.quiet + EPSILON
         return Decision(self._rate, state, self._reason, (self._rate, state) != prev, self._since,
-                        signals)
+                        signals, identified)
+
+
+def for_readers(decision: Decision, read_floor: int, cap: int) -> Decision:
+    """The decision while a reader of a lazy mount waits for its bytes: at least ``read_floor``
+    (``mounts.read_floor``, never above ``cap``), unless training was identified (a training
+    port, RDMA, NCCL: the yield is for it, and it keeps it). The link's other traffic alone
+    doesn't hold a waiting reader at the floor: an inference node starting its engine serves
+    nothing until its bytes come, and the rest of the link is that traffic's still.
+
+    >>> d = Decision(2_000_000, BACKED_OFF, "other traffic 600 Mbit/s", True, 0.0, (LINK,))
+    >>> for_readers(d, 500_000_000, 1_000_000_000).rate_bps
+    500000000
+    >>> for_readers(replace(d, identified=True), 500_000_000, 10**9).rate_bps
+    2000000
+    """
+    rate = min(read_floor, cap)
+    if decision.identified or rate <= decision.rate_bps:
+        return decision
+    return replace(decision, rate_bps=rate, lifted=True,
+                   reason=f"{decision.reason}; a reader of a mount waits: "
+                   f"{format_rate(rate)} (mounts.read_floor)")

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from agent.policy.model import Policy, Source
-from agent.yielding.backoff import BackoffLoop, Knob, cap_for
+from agent.yielding.backoff import BackoffLoop, Knob, cap_for, read_floor_for
 from agent.yielding.bursts import BurstGate, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect import Detectors
@@ -57,17 +57,21 @@ class ShapingRuntime:
                  sockets: PullSockets | None,
                  rate: int | None = None, sources: Sequence[Source] = (),
                  bytes_read: Callable[[], int] | None = None,
+                 readers_waiting: Callable[[], bool] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  make_shaper: ShaperFactory = _shaper) -> None:
         """``rate``: a bound on the loop's cap (``wagent pull --rate``); ``sources``: a CLI
         pull's own, matched by the ingress filters beside the policy's; ``bytes_read``: the
-        pulls' bytes, the link detector's fallback without kernel counters or sockets."""
+        pulls' bytes, the link detector's fallback without kernel counters or sockets;
+        ``readers_waiting``: whether a reader of a lazy mount waits for bytes now
+        (``mounts.read_floor``)."""
         self.policy = policy
         self.bucket = bucket
         self.rate = rate
         self.extra_sources = tuple(sources)
         self.sockets = sockets
         self.bytes_read = bytes_read
+        self.readers_waiting = readers_waiting
         self.clock = clock
         self.make_shaper = make_shaper
         self.lock = threading.Lock()
@@ -258,7 +262,8 @@ class ShapingRuntime:
                            distribution=distribution,
                            streams=sockets.sample if sockets is not None else None,
                            training_present=sockets.guard if sockets is not None else None,
-                           tick=backoff.tick, clock=self.clock)
+                           tick=backoff.tick, readers_waiting=self.readers_waiting,
+                           read_floor=read_floor_for(policy), clock=self.clock)
         loop.watching = (backoff, interfaces)
         with self.lock:
             self._start_fast_path(loop)
@@ -292,10 +297,10 @@ class ShapingRuntime:
         link = loop.controller.link or loop.controller.cap
         most = most_in_flight(loop.controller.backoff)
         if self.gate is None or self.gate.values is not self.detector.values:
-            self.gate = BurstGate(self.detector.values, floor=lambda: loop.controller.floor,
+            self.gate = BurstGate(self.detector.values, floor=lambda: loop.hold_floor,
                                   rhythm=rhythm_for(settings, link, most))
         else:
-            self.gate.floor = lambda: loop.controller.floor
+            self.gate.floor = lambda: loop.hold_floor
             old = self.gate.rhythm
             self.gate.rhythm = rhythm_for(settings, link, most)
             if old is not None:     # a reload: the starts seen and the count carry on

@@ -358,3 +358,118 @@ def test_the_mount_and_its_reader_outlive_a_kill_9_of_the_daemon(origin):
             for log in ("daemon.log", "daemon2.log"):
                 if (run / log).exists():
                     print(log, (run / log).read_text()[-4000:])
+
+
+def test_a_waiting_reader_lifts_the_pull_over_other_traffic(origin, testbed):
+    """``mounts.read_floor``: an iperf3 flow fills the node's link (a port no policy names), the
+    daemon backs off to its floor (0.2% of 100 Mbit/s: 25 kB/s, where the first tensor's 4 MiB
+    piece would take minutes); a reader of the mount lifts the pull to half the link while it
+    waits, and gets its tensor in seconds. Status and the journal say why."""
+    safetensors = pytest.importorskip("safetensors")
+    from tests.testbed import WAGENT as NODE_WAGENT
+    d, version_dir = origin
+    o, n = testbed.host("origin"), testbed.host("node")
+    link = testbed.connect(o, n, rate="100mbit")
+    srv = testbed.nginx(o, root=d / "origin", port=8080)
+    testbed.iperf3_server(o, port=5201)
+    run = d / "lift"
+    run.mkdir()
+    sock, a = run / "control.sock", str(run / "a")
+    os.mkdir(a)
+    policy = write_policy(run / "policy.yaml", run, sources=[{"url": srv.url_for(link.a)}],
+                          models=[{"name": MODEL, "version": "latest"}],
+                          waves={"cache_lead": "6h"},
+                          shaping={"interfaces": [link.b.ifname], "link_rate": "100mbit"})
+    log = run / "daemon.log"
+    with open(log, "ab") as out:
+        proc = n.popen([NODE_WAGENT, "run", "--policy", str(policy)], stdout=out,
+                       stderr=subprocess.STDOUT, cwd=str(ROOT))
+    try:
+        wait_for_socket(sock, proc)
+        flow = testbed.iperf3_start(n, server=link.a.ip4, port=5201, seconds=40, reverse=True)
+        deadline = time.monotonic() + 15
+        while _status(sock).get("backoff", {}).get("state") != "backed_off":
+            assert time.monotonic() < deadline, _status(sock).get("backoff")
+            time.sleep(0.2)
+        shard = sorted(version_dir.glob("*.safetensors"))[0]
+        with safetensors.safe_open(str(shard), framework="numpy") as want:
+            key = sorted(want.keys())[0]
+            expected = want.get_tensor(key).tobytes()
+        started = time.monotonic()
+        r = wagent("mount", MODEL, a, "--socket", str(sock))
+        assert r.returncode == 0, r.stderr
+        with safetensors.safe_open(str(Path(a) / shard.name), framework="numpy") as got:
+            assert got.get_tensor(key).tobytes() == expected
+        took = time.monotonic() - started
+        print(f"first tensor {took:.2f} s after `wagent mount`, the flow running")
+        # at the floor the tensor's piece alone would take over 2 minutes
+        assert took < 30, took
+        assert "a reader of a mount waits" in log.read_text()
+        assert flow.proc.poll() is None          # the other traffic ran throughout
+    finally:
+        wagent("umount", "--lazy", a, "--socket", str(sock))
+        _cleanup_mounts([a, mount_root(str(sock))])
+        stop_daemon(proc)
+        print(log.read_text()[-6000:])
+
+
+def test_a_complete_version_is_bound_from_the_store_and_outlives_a_restart(origin):
+    """A version the store holds whole is bound from the store's view (hard links to its
+    blobs): no FUSE mount, the blobs' own inodes, every byte the origin's. A restart shows it
+    again with no fd store; the last unmount removes the view."""
+    d, version_dir = origin
+    run = d / "whole"
+    run.mkdir()
+    sock, a, b = run / "control.sock", run / "a", run / "b"
+    a.mkdir()
+    b.mkdir()
+    with LoopbackNginx(d / "origin") as nginx:
+        r = wagent("pull", f"{nginx.url}/{MODEL}/v1", "--store", str(run / "store"),
+                   timeout=120)
+        assert r.returncode == 0, r.stderr
+        policy = write_policy(run / "policy.yaml", run, sources=[{"url": nginx.url}],
+                              models=[{"name": MODEL, "version": "latest"}],
+                              waves={"cache_lead": "6h"})
+        procs = [start_daemon(policy, log=run / "daemon.log")]
+        view = run / "store" / "views" / f"{MODEL}@v1"
+        try:
+            wait_for_socket(sock, procs[0])
+            for m in (a, b):
+                r = wagent("mount", MODEL, str(m), "--socket", str(sock))
+                assert r.returncode == 0, r.stderr
+                assert "from the store" in r.stdout
+                info = mount_at(str(m))
+                assert info is not None and info.fstype != "fuse.wagent", info
+                assert "ro" in info.options.split(","), info
+            assert mount_at(mount_root(str(sock))) is None      # no FUSE mount at all
+            names = sorted(p.name for p in version_dir.iterdir() if p.name != "manifest.json")
+            assert sorted(os.listdir(a)) == names
+            store_dir = run / "store" / "models" / MODEL / "v1"
+            for n in names:
+                assert (a / n).read_bytes() == (version_dir / n).read_bytes(), n
+                assert os.stat(a / n).st_ino == os.stat(store_dir / n).st_ino   # the blob
+            (row,) = _status(sock)["mounts"]["mounts"]
+            assert row["from"] == "store" and row["complete"] and row["dirs"] == [str(a), str(b)]
+            # a restart with no fd store: the binds stay, the daemon shows them again
+            stop_daemon(procs[0])
+            procs.append(start_daemon(policy, log=run / "daemon2.log"))
+            wait_for_socket(sock, procs[1])
+            (row,) = _status(sock)["mounts"]["mounts"]
+            assert row["from"] == "store" and row["dirs"] == [str(a), str(b)], row
+            assert (b / names[0]).read_bytes() == (version_dir / names[0]).read_bytes()
+            r = wagent("umount", str(a), "--socket", str(sock))
+            assert r.returncode == 0, r.stderr
+            assert view.is_dir()                        # b still shows it
+            r = wagent("umount", str(b), "--socket", str(sock))
+            assert r.returncode == 0, r.stderr
+            assert not view.exists() and _status(sock)["mounts"]["mounts"] == []
+            assert (store_dir / names[0]).read_bytes() == (version_dir / names[0]).read_bytes()
+        finally:
+            for m in (a, b):
+                wagent("umount", "--lazy", str(m), "--socket", str(sock))
+            _cleanup_mounts([str(a), str(b), mount_root(str(sock))])
+            for p in procs:
+                stop_daemon(p)
+            for log in ("daemon.log", "daemon2.log"):
+                if (run / log).exists():
+                    print(log, (run / log).read_text()[-4000:])

@@ -288,3 +288,50 @@ def test_the_pull_sockets_hear_whether_training_is_on(tmp_path):
     while loop.tick().state != "full":            # ramped back up: no training any more
         clock.t += 0.1
     assert windows.training == [False, True, False]    # told on change only
+
+
+def test_a_waiting_reader_lifts_the_pull_above_other_traffic_but_not_above_training(tmp_path):
+    """``mounts.read_floor``: while a reader of a mount waits (and ``READERS_GRACE`` after),
+    the link's other traffic no longer holds the pull at the floor; identified training (a
+    training port) still does, for ``quiet`` after it was last seen; the fast path's gate lets
+    the lifted rate through."""
+    clock, pull = Clock(), Sink()
+    dist = {"eth0": LinkCounters(0, 0)}
+    waiting = [False]
+    loop = BackoffLoop(Controller(POLICY, G), node(tmp_path), set_pull_rate=pull,
+                       distribution=lambda: dist, readers_waiting=lambda: waiting[0],
+                       read_floor=500 * M, clock=clock)
+
+    def tick(t):
+        clock.t = t
+        set_netdev(tmp_path, "eth0", int(100 * M * t), 0)   # 800 Mbit/s of someone else's
+        return loop.tick()
+
+    tick(0.0)
+    d = tick(1.0)
+    assert (d.state, d.rate_bps, d.lifted) == ("backed_off", 10 * M, False)
+    assert loop.hold_floor == 10 * M
+    waiting[0] = True
+    d = tick(1.1)
+    assert (d.state, d.rate_bps, d.lifted) == ("backed_off", 500 * M, True)
+    assert d.reason.endswith("a reader of a mount waits: 500 Mbit/s (mounts.read_floor)")
+    assert pull.calls[-1] == 500 * M and loop.hold_floor == 500 * M
+    assert loop.status().rate_bps == 500 * M
+    waiting[0] = False
+    assert tick(1.2).rate_bps == 500 * M            # between two reads: still lifted
+    assert tick(2.1).rate_bps == 10 * M and pull.calls[-1] == 10 * M   # READERS_GRACE on
+    # a training connection: the reader waits at the floor, and for ``quiet`` after it went
+    waiting[0] = True
+    training(tmp_path, True)
+    d = tick(2.2)
+    assert (d.rate_bps, d.identified, d.lifted) == (10 * M, True, False)
+    training(tmp_path, False)
+    assert tick(2.4).rate_bps == 10 * M
+    assert tick(2.8).lifted                         # quiet (0.5 s) after the last connection
+
+
+def test_read_floor_is_a_share_of_the_link_and_null_turns_it_off():
+    from agent.policy.model import Mounts
+    from agent.yielding.backoff import read_floor_for
+    assert read_floor_for(Policy(shaping=Shaping(link_rate=10 * G))) == 5 * G
+    assert read_floor_for(Policy(mounts=Mounts(read_floor=None))) == 0

@@ -9,6 +9,7 @@ from agent.identity import Identity
 from agent.parts import Parts
 from agent.policy.model import Backoff, Model, Policy, Shaping, StoreSettings
 from agent.pull.connections import Connections
+from agent.pull.demand import Demand
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
 from agent.scheduler import Scheduler
@@ -128,7 +129,8 @@ def test_the_summary_reads_memory_where_the_snapshot_dumps_tc_and_walks_the_stor
     worker = Worker(policy, worker_deps(pulls))
     shaping = ShapingRuntime(policy, bucket, sockets=connections.sockets,
                              make_shaper=CountingShaper)
-    mounts = mounts_for(lambda: policy, lambda: store, pulls, worker, time.time, time.monotonic)
+    mounts = mounts_for(lambda: policy, lambda: store, pulls, worker, Demand(time.monotonic),
+                        time.time, time.monotonic)
     parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                   pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
                   mounts=mounts)

@@ -185,11 +185,15 @@ def test_mounts_in_the_document_and_the_text():
               "wanted": 3, "errors": [{"at": NOW, "error": "m@v1/a: bytes 0+4 not verified"}],
               "mounts": [{"model": "m", "version": "v1", "dirs": ["/models/m"], "since": NOW,
                           "bytes_total": 200, "bytes_verified": 50, "complete": False,
-                          "pull": "pulling"}]}
+                          "pull": "pulling", "from": "fuse"},
+                         {"model": "n", "version": "v2", "dirs": ["/models/n"], "since": NOW,
+                          "bytes_total": 9, "bytes_verified": 9, "complete": True,
+                          "pull": "idle", "from": "store"}]}
     doc = to_json(busy_state(mounts=mounts), NOW)
     assert doc["mounts"] == mounts
     text = to_text(doc)
-    assert "mount:    m@v1 at /models/m: 25% verified" in text
+    assert "mount:    m@v1 at /models/m: 25% verified\n" in text
+    assert "mount:    n@v2 at /models/n: complete (bound from the store)" in text
     assert "2 reads waiting" in text and "last read error: m@v1/a" in text
     # none: the document still says so
     assert to_json(busy_state(), NOW)["mounts"]["mounts"] == []
