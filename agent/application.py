@@ -33,6 +33,7 @@ from agent.control import Controls, ControlServer, prepare_socket_dir, trusted_u
 from agent.identity import ROLE_OVERRIDE, Identity, identify
 from agent.metrics import Metrics, MetricsError
 from agent.mount.service import FD_NAME, MountDeps, Mounts
+from agent.mount.service import warm as warm_fuse
 from agent.notify import inherited_fds, store_fd
 from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
@@ -210,6 +211,7 @@ class Application:
         # what the previous process showed: the store's views always, the FUSE mount's
         # versions when its descriptor came back
         mounts.adopt(fuse_fd)
+        warm_fuse()
         pulls.announce_held()
         log.info("node %s (%s), role %s (%s)", parts.identity.node_id[:12],
                  parts.identity.hostname, parts.identity.role, parts.identity.role_source)

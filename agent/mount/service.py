@@ -407,6 +407,18 @@ class Mounts:
             log.error("mount: %s", message)
 
 
+def warm() -> None:
+    """Loads the FUSE server's modules (pyfuse3 and trio: 0.15 s here) in a thread of their own
+    at the daemon's start, so the first ``wagent mount``, which an engine's start waits on,
+    doesn't. Without pyfuse3 the first mount says so."""
+    def load() -> None:
+        try:
+            import agent.mount.fuse_server  # noqa: F401
+        except ImportError as e:
+            log.debug("mount: the FUSE server can't load: %s", e)
+    threading.Thread(target=load, name="warm-fuse", daemon=True).start()
+
+
 def read_ahead(m: Manifest) -> list[tuple[str, Piece]]:
     """What engines read first, in that order: the small files (config, tokenizer, the
     shards' index) whole, then the first piece of each safetensors shard (its header: where
