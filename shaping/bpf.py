@@ -14,13 +14,15 @@ link. It returns TC_ACT_UNSPEC: the packet goes on as if the filter weren't ther
 What it keeps (one array map, mmapped by the agent, ``BPF_F_MMAPABLE``): a leaky bucket of
 foreign bytes, drained at ``drain`` bytes/s (the policy's ``link_threshold``: traffic below that
 share of the link never fills it), and a cut: when the bucket holds ``threshold`` bytes, the cut
-lasts until ``hold`` ns after the last packet that found it that full. A burst at line rate fills
+lasts until ``hold`` ns after the last packet that found it that full; a cut that starts within
+``merge`` ns of the last one's end is the same burst (its sender paused: a start and a count per
+burst, which the rhythm of periodic bursts is read from). A burst at line rate fills
 it in ``threshold / rate`` (128 KiB: 1 ms at 1 Gbit/s, 10 us at 100 Gbit/s); background traffic
 (ssh, metrics, a GRO'd 64 KB aggregate now and then) never does. Times are CLOCK_MONOTONIC
 (``bpf_ktime_get_ns``), which Python's ``time.monotonic_ns`` reads too.
 
 Hand-assembled, loaded with the raw ``bpf()`` system call: no compiler at build time, no libbpf
-at run time, nothing to ship but this file. The program is 53 instructions, with no packet
+at run time, nothing to ship but this file. The program is 55 instructions, with no packet
 parsing (the u32 filters did that). Updates from two CPUs at once may lose one packet's count;
 the bucket is a detector, not an account.
 """
@@ -48,8 +50,8 @@ BPF_F_MMAPABLE = 1 << 10
 TC_ACT_UNSPEC = -1
 
 # The map's one value: u64 fields at these offsets (the agent reads them with ``struct``).
-LEVEL, LAST, CUT_UNTIL, CUT_START, BURSTS, FOREIGN, DRAIN, THRESHOLD, HOLD, HELD = (
-    8 * i for i in range(10))
+LEVEL, LAST, CUT_UNTIL, CUT_START, BURSTS, FOREIGN, DRAIN, THRESHOLD, HOLD, HELD, MERGE = (
+    8 * i for i in range(11))
 VALUE_SIZE = 128
 _U64 = struct.Struct("=Q")
 
@@ -132,9 +134,11 @@ def program(map_fd: int) -> bytes:
         ("jlt_reg", 1, 3, "store"),
         _alu(_MOV, 1, src=3),
         _stx(9, LEVEL, 1),
-        # a new cut (the last one has ended): count it, and the time the last one held
+        # a new cut (the last one ended more than ``merge`` ago: a burst whose sender paused
+        # longer than the hold is one burst still): count it, and the time the last one held
         _ldx(4, 9, CUT_UNTIL),
-        ("jle_reg", 8, 4, "extend"),
+        _ldx(5, 9, MERGE), _alu(_ADD, 5, src=4),
+        ("jle_reg", 8, 5, "extend"),
         _ldx(5, 9, CUT_START), _alu(_SUB, 4, src=5),
         _ldx(5, 9, HELD), _alu(_ADD, 5, src=4), _stx(9, HELD, 5),
         _stx(9, CUT_START, 8),
@@ -197,6 +201,9 @@ class Settings:
     drain: int          # bytes/s
     threshold: int      # bytes
     hold_ns: int
+    # a cut that starts within this long of the last one's end continues it (one burst: the
+    # start the rhythm keeps, one count), though the readers read in between
+    merge_ns: int = 0
 
 
 class Detector:
@@ -227,6 +234,7 @@ class Detector:
         _U64.pack_into(self.values, DRAIN, settings.drain)
         _U64.pack_into(self.values, THRESHOLD, settings.threshold)
         _U64.pack_into(self.values, HOLD, settings.hold_ns)
+        _U64.pack_into(self.values, MERGE, settings.merge_ns)
 
     def close(self) -> None:
         values = getattr(self, "values", None)

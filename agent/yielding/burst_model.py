@@ -229,8 +229,11 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
             level = min(float(shipped.threshold),
                         max(0.0, level - shipped.drain * dt) + out_burst)
             if out_burst > 0 and level >= shipped.threshold:
+                # a cut within ``merge`` of the last one's end is that burst still (the kernel's
+                # rule): no new start for the rhythm
+                merged = t + dt <= hold_until + shipped.merge_ns / 1e9
                 hold_until = t + dt + shipped.hold_ns / 1e9
-                if not fast_cut and rhythm is not None:
+                if not fast_cut and not merged and rhythm is not None:
                     rhythm.see(int((t + dt) * 1e9))
                 fast_cut = True
         tick_burst_bytes += out_burst

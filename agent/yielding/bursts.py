@@ -54,6 +54,11 @@ SUSTAINED_SHARE = 0.5
 # The detector's bucket must hold this much before it cuts: more than one GRO aggregate (64 KB)
 # of someone's background flow, little next to a burst (1 ms at 1 Gbit/s).
 THRESHOLD_MIN = 128 * 1024
+# A cut that starts within this many holds of the last one's end is the same burst: its sender
+# paused mid-burst (seen: a Python sender stalled over 5 ms on a busy machine, 4 cuts counted
+# for 3 bursts), and a burst counted twice breaks the rhythm read from the cuts' starts. The
+# readers still read in the pause; only the count and the start merge.
+MERGE_HOLDS = 2
 # Training that burst within this long is still training: the windows stay bounded.
 RECENT = 10.0
 
@@ -67,14 +72,15 @@ def settings_for(backoff: Backoff) -> Settings | None:
 
     >>> from agent.policy.model import Backoff
     >>> settings_for(Backoff().resolved(10**9))
-    Settings(drain=6250000, threshold=131072, hold_ns=5000000)
+    Settings(drain=6250000, threshold=131072, hold_ns=5000000, merge_ns=10000000)
     """
     if not backoff.enabled or backoff.burst_hold is None:
         return None
     threshold = backoff.link_threshold
     assert isinstance(threshold, int), "a resolved Backoff"
-    return Settings(drain=max(1, threshold // 8), threshold=THRESHOLD_MIN,
-                    hold_ns=int(backoff.burst_hold * 1e9))
+    hold_ns = int(backoff.burst_hold * 1e9)
+    return Settings(drain=max(1, threshold // 8), threshold=THRESHOLD_MIN, hold_ns=hold_ns,
+                    merge_ns=MERGE_HOLDS * hold_ns)
 
 
 @dataclass(frozen=True)

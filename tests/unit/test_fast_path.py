@@ -51,7 +51,8 @@ def test_the_program_is_whole_and_every_jump_lands_inside_it():
 
 def test_settings_follow_the_policy():
     s = settings_for(Backoff(burst_hold=0.002).resolved(10 * G))
-    assert s == bpf.Settings(drain=62_500_000, threshold=128 * 1024, hold_ns=2 * MS)
+    assert s == bpf.Settings(drain=62_500_000, threshold=128 * 1024, hold_ns=2 * MS,
+                             merge_ns=4 * MS)
     assert settings_for(Backoff(burst_hold=None).resolved(G)) is None
     assert settings_for(Backoff(enabled=False).resolved(G)) is None
 
