@@ -24,10 +24,11 @@ from shaping.shaper import Shaper
 p = load_policy(sys.argv[1])
 sh = Shaper(p.shaping, p.sources, p.state_dir)
 sh.apply()
-# hold 30 ms, not the policy's 5: the bursts' Python sender, on a busy 2-core CI machine,
-# stalled mid-burst for more than 5 ms and split a burst into two cuts (4 or 5 counted for 3);
-# the 0.2 s gaps between bursts still end every cut
-d = Detector(Settings(drain=6_250_000, threshold=128 * 1024, hold_ns=30_000_000))
+# hold 30 ms, not the policy's 5, and cuts within 60 ms of the last merged: the bursts' Python
+# sender, on a busy 2-core CI machine, stalled mid-burst for more than 5 ms and split a burst
+# into two cuts (4 or 5 counted for 3); the 0.2 s gaps between bursts still end every cut
+d = Detector(Settings(drain=6_250_000, threshold=128 * 1024, hold_ns=30_000_000,
+                      merge_ns=60_000_000))
 print(json.dumps(sh.attach_detector(d.fd)), flush=True)
 for line in sys.stdin:
     cmd = line.strip()
