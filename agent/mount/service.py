@@ -32,6 +32,7 @@ files, and the unit's ``PrivateMounts`` hides the mount from the daemon's namesp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,9 +149,13 @@ class Mounts:
         FUSE server already (one way per version: its directories read alike); else None."""
         with self.lock:
             shown = self.shown.get(entry_name(model, version))
-        if shown is not None:
-            return shown.view
         store = self.deps.store()
+        if shown is not None:
+            if shown.view is not None and store.installed(model, version) is not None:
+                # links a failed verification took out come back now the version is whole
+                with contextlib.suppress(OSError, StoreError):
+                    make_view(store, model, version)
+            return shown.view
         if store.installed(model, version) is None:
             return None
         try:

@@ -5,6 +5,7 @@
     {root}/blobs/{blob id}                    complete, verified files (read-only)
     {root}/models/{model}/{version}/{path}    relative symlinks into blobs/, and manifest.json
     {root}/partial/{blob id}.part|.journal    files being pulled, and their piece journals
+    {root}/views/{model}@{version}/{path}     hard links to blobs/ for bind mounts (views.py)
     {root}/usage.json                         last use of each version (for LRU eviction)
 
 A blob is named by its blob id (``agent.blob_id``): a digest of the pieces this store verified,
@@ -104,6 +105,7 @@ class Store:
         self.blobs = self.root / "blobs"
         self.models = self.root / "models"
         self.partial = self.root / "partial"
+        self.views = self.root / "views"     # hard links for bind mounts (agent.store.views)
         self._usage_file = self.root / "usage.json"
 
     # -- layout ---------------------------------------------------------------------------------
@@ -204,10 +206,25 @@ class Store:
                                             and (st.st_dev, st.st_ino) != same_as):
             os.rename(aside, path)          # not the file found bad: put it back
             return False
+        self._unlink_views_of(st)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
         fsync_dir(self.blobs)
         return True
+
+    def _unlink_views_of(self, st: os.stat_result) -> None:
+        """Takes the bad blob's hard links out of the views (``agent.store.views``): a mount
+        bound from one must not go on serving its bytes. Its readers then find the file
+        missing until the version is whole again and the view is made again."""
+        for root, _, files in os.walk(self.views):
+            for f in files:
+                path = os.path.join(root, f)
+                with contextlib.suppress(FileNotFoundError):
+                    link = os.lstat(path)
+                    if (link.st_dev, link.st_ino) == (st.st_dev, st.st_ino):
+                        os.unlink(path)
+                        log.warning("removed %s from its view: its blob failed verification",
+                                    path)
 
     def blob_sizes(self) -> dict[str, int]:
         """Name -> size of the regular files in blobs/ (a symlink there is no blob)."""

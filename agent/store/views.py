@@ -17,6 +17,11 @@ A view holds nothing of its own: the same inodes as the blobs (no space, no copy
 directory is unmounted; at start they drop those no mount shows any more. A view keeps its blobs'
 bytes on disk while it exists (a link count), so the mounts keep its version from eviction, as
 they keep any mounted version.
+
+A blob that fails verification later (``wagent store verify``, ``Store.drop_blob``) takes its
+links out of every view with it: a bound view never goes on serving bytes found bad. Its readers
+find the file missing until the version is whole again; the next ``make_view`` (a mount of it,
+the daemon's start) puts the links back.
 """
 
 from __future__ import annotations
@@ -27,14 +32,14 @@ import uuid
 from pathlib import Path
 
 from agent.durable import fsync_dir
-from agent.manifest import check_name
+from agent.manifest import Manifest, check_name
 from agent.store.layout import Store, StoreError, real_dir, remove_tree
 
-VIEWS = "views"
+VIEWS = "views"                  # the directory's name under the store's root (Store.views)
 
 
 def views_dir(store: Store) -> Path:
-    return store.root / VIEWS
+    return store.views
 
 
 def view_name(model: str, version: str) -> str:
@@ -42,11 +47,15 @@ def view_name(model: str, version: str) -> str:
 
 
 def make_view(store: Store, model: str, version: str) -> Path:
-    """The view of an installed version (made now, or the one there already)."""
+    """The view of an installed version: made now, or the one there already with any link
+    it lost put back (a blob that failed verification takes its links out of the views,
+    ``Store.drop_blob``; once pulled again the version is whole)."""
     target = views_dir(store) / view_name(model, version)
-    if os.path.isdir(target) and not os.path.islink(target):
-        return target
     m = store.installed(model, version)
+    if os.path.isdir(target) and not os.path.islink(target):
+        if m is not None:
+            _relink(store, m, target)
+        return target
     if m is None:
         raise StoreError(f"{model} {version} is not complete in the store {store.root}")
     linked = store.linked_blobs(m)
@@ -70,6 +79,15 @@ def make_view(store: Store, model: str, version: str) -> Path:
         raise
     fsync_dir(views_dir(store))
     return target
+
+
+def _relink(store: Store, m: Manifest, target: Path) -> None:
+    linked = store.linked_blobs(m)
+    for f in m.files:
+        dst = target / f.path
+        if not os.path.lexists(dst):
+            with contextlib.suppress(FileExistsError):
+                os.link(store.blob_path(linked[f.path]), dst, follow_symlinks=False)
 
 
 def drop_view(store: Store, model: str, version: str) -> None:

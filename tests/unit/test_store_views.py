@@ -50,3 +50,17 @@ def test_stale_views_go_and_shown_ones_stay(store):
     (views_dir(store) / ".tmp-0123").mkdir()             # a crash while making one
     assert drop_stale(store, {"m@v2"}) == [".tmp-0123", "m@v1"]
     assert view_names(store) == ["m@v2"]
+
+
+def test_a_blob_failing_verification_leaves_its_views_until_pulled_again(store):
+    put_version(store, "m", "v1", {"a": b"abc", "b": b"keep"})
+    view = make_view(store, "m", "v1")
+    bad = store.linked_blobs(store.installed("m", "v1"))["a"]
+    st = os.stat(store.blob_path(bad))
+    assert store.drop_blob(bad, (st.st_dev, st.st_ino))
+    assert not (view / "a").exists() and (view / "b").read_bytes() == b"keep"
+    assert store.installed("m", "v1") is None
+    put_version(store, "m", "v1", {"a": b"abc", "b": b"keep"})    # pulled again
+    assert make_view(store, "m", "v1") == view
+    assert (view / "a").read_bytes() == b"abc"
+    assert os.stat(view / "a").st_ino == os.stat(store.blob_path(bad)).st_ino
