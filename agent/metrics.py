@@ -209,6 +209,8 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
     yield c
     streams = g("wagent_pull_streams", "Connections of the model's pull with a request in "
                 "flight", labels=["model"])
+    chosen = g("wagent_pull_streams_chosen", "Streams the model's pull runs now (chosen by "
+               "measuring what each adds, or pulls.streams)", labels=["model"])
     done = g("wagent_pull_done_bytes", "Bytes of the version in the store or fetched",
              labels=["model", "version"])
     size = g("wagent_pull_size_bytes", "Distinct bytes of the version being pulled",
@@ -219,6 +221,7 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
              "published its version, Unix time", labels=["model"])
     for p in pulls:
         streams.add_metric([p.model], p.streams)
+        chosen.add_metric([p.model], p.streams_chosen)
         if p.version:
             done.add_metric([p.model, p.version], p.bytes_done)
             if p.bytes_total is not None:
@@ -231,7 +234,7 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
             "names, the one inference servers load", labels=["model", "version"])
     for model, version in sorted(current.items()):
         cur.add_metric([model, version], 1)
-    yield from (streams, done, size, state, last, cur)
+    yield from (streams, chosen, done, size, state, last, cur)
 
 
 def _shaping(sh: ShapingInfo) -> Iterator[Metric]:

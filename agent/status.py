@@ -154,6 +154,8 @@ class PullProgress:
     elapsed: float
     file: str | None = None    # for "file": its path
     bytes_in_flight: int = 0   # received, in pieces not verified yet (not in bytes_done)
+    streams_chosen: int = 0    # the streams the pull runs now (agent.pull.stream_count)
+    streams_why: str = ""      # ...and why that many
 
     @property
     def eta(self) -> float | None:
@@ -170,6 +172,8 @@ class PullInfo:
     bytes_total: int | None = None
     rate_bps: float = 0.0               # recent goodput, bits/s (0 unless pulling)
     streams: int = 0                    # connections in use now (0 unless pulling)
+    streams_chosen: int = 0             # streams the pull runs now (0 unless pulling)
+    streams_why: str = ""               # why that many
     slot_at: float | None = None        # this node's wave slot for this version
     starts_at: float | None = None      # when it may start: slot, or later if learned late or
                                         # outside the role's windows; None: no window opens
@@ -184,7 +188,8 @@ class PullInfo:
         """The model's status once its pull reported ``p``: the one place a pull's figures
         become status (rates here are bits/s, as ``tc`` and the policy speak)."""
         return replace(self, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
-                       rate_bps=p.rate * 8, streams=p.streams)
+                       rate_bps=p.rate * 8, streams=p.streams,
+                       streams_chosen=p.streams_chosen, streams_why=p.streams_why)
 
 
 @dataclass(frozen=True)
@@ -321,7 +326,8 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
             {"model": p.model, "version": p.version, "state": p.state,
              "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
              "percent": _percent(p), "rate_bps": p.rate_bps, "eta_s": eta(p),
-             "streams": p.streams, "slot_at": p.slot_at, "starts_at": p.starts_at,
+             "streams": p.streams, "streams_chosen": p.streams_chosen,
+             "streams_why": p.streams_why, "slot_at": p.slot_at, "starts_at": p.starts_at,
              "started_at": p.started_at,
              "finished_at": p.finished_at, "local_version": p.local_version, "error": p.error,
              "stalled": p.stalled, "on_ready": p.on_ready}
@@ -431,6 +437,8 @@ def to_text(doc: Mapping[str, Any]) -> str:
             eta_txt = format_duration(p["eta_s"]) if p["eta_s"] is not None else "?"
             line += (f" {format_size(p['bytes_done'])} of {total}{pct} at "
                      f"{format_rate(p['rate_bps'])}, {p['streams']} streams, ETA {eta_txt}")
+            if p.get("streams_why"):
+                line += f"\n    streams: {p['streams_chosen']}: {p['streams_why']}"
         elif p["state"] in ("waiting_slot", "waiting_window"):
             line += f", slot {_when(p['slot_at'], now)}, starts {_when(p['starts_at'], now)}"
         if p["local_version"]:

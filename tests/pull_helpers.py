@@ -445,24 +445,38 @@ def publish_dir(d: Path, piece_size: int | None = None) -> Path:
     return d
 
 
-def pull_json(url: str, store: str, streams: int = 8) -> dict:
-    """One pull in this process; its figures (for benchmarks run inside a testbed host)."""
+def pull_json(url: str, store: str, streams: int = 8, adaptive: bool = False) -> dict:
+    """One pull in this process; its figures (for benchmarks run inside a testbed host), with
+    the stream counts it chose (``adaptive``) and the last reason."""
     from agent.commands.pull import split_url
     from agent.policy.model import Source
     from agent.pull.engine import PullOptions, pull_version
     from agent.store import Store
     source, model, version = split_url(url)
+    chosen: list[int] = []
+    why: list[str] = []
+
+    def progress(p: object) -> None:
+        n = getattr(p, "streams_chosen", 0)
+        if n and (not chosen or chosen[-1] != n):
+            chosen.append(n)
+        why[:] = [getattr(p, "streams_why", "")]
+
     r = pull_version([Source(source)], model, version, Store(store),
-                     options=PullOptions(streams=streams), connections=CONNECTIONS)
+                     options=PullOptions(streams=streams, adaptive=adaptive),
+                     connections=CONNECTIONS, progress=progress)
     return {"seconds": r.seconds, "fetched": r.bytes_fetched, "reused": r.bytes_reused,
-            "total": r.bytes_total, "path": str(r.path)}
+            "total": r.bytes_total, "path": str(r.path), "streams": chosen,
+            "streams_why": why[0] if why else ""}
 
 
-def pull_in(host: object, url: str, store: Path, streams: int = 8) -> dict:
+def pull_in(host: object, url: str, store: Path, streams: int = 8,
+            adaptive: bool = False) -> dict:
     """``pull_json`` run inside a testbed host (a child python in its namespace)."""
     import json
     import sys
-    out = host.run([sys.executable, "-m", "tests.pull_helpers", url, str(store), str(streams)],
+    out = host.run([sys.executable, "-m", "tests.pull_helpers", url, str(store), str(streams),
+                    "adaptive" if adaptive else "fixed"],
                    timeout=900, cwd=str(Path(__file__).resolve().parents[1]))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -470,7 +484,8 @@ def pull_in(host: object, url: str, store: Path, streams: int = 8) -> dict:
 if __name__ == "__main__":
     import json
     import sys
-    print(json.dumps(pull_json(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(pull_json(sys.argv[1], sys.argv[2], int(sys.argv[3]),
+                               len(sys.argv) > 4 and sys.argv[4] == "adaptive")))
 
 
 def blob_of(version_dir: Path, rel: str) -> str:

@@ -124,7 +124,12 @@ class StoreSettings:
 
 @dataclass(frozen=True)
 class Pulls:
+    # the streams a pull runs (the most, with adaptive_streams)
     streams: int = field(default=8, metadata={"min": 1, "max": 256})
+    # true: start with 2, add while each added stream carries its share, at most ``streams``
+    # (agent.pull.stream_count); false: ``streams`` always. Off until the scaling bench has
+    # measured it against the best fixed count (issue 25)
+    adaptive_streams: bool = False
     piece_size: int = size_field(64 * 2**20)  # pieces of non-safetensors files; big tensors split
     connect_timeout: float = duration_field(10.0)
     read_timeout: float = duration_field(30.0)

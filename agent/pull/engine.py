@@ -281,6 +281,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 fetched, reused = transfer.fetched, transfer.reused
                 busy, verified = transfer.streams_busy, transfer.verified
                 landed, in_flight = transfer.files_done, transfer.in_flight
+                chosen, why = transfer.target, transfer.streams_why
             window.append((now, fetched))
             while len(window) > 2 and now - window[0][0] > 3.0:
                 window.pop(0)
@@ -290,7 +291,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 progress(PullProgress(
                     m.model, m.version, event, p.bytes_total, base_done + verified, fetched,
                     reused, rate, busy, len(p.present) + landed, len(distinct), now - started,
-                    path, max(0, in_flight)))
+                    path, max(0, in_flight), chosen, why))
             except Exception:
                 # Progress is for show: a display that fails must not fail the pull.
                 broken.append(True)

@@ -21,7 +21,10 @@ from agent.pull.goodput import Floor
 
 @dataclass(frozen=True)
 class PullOptions:
-    streams: int = 8
+    streams: int = 8                    # exactly, or at most with ``adaptive``
+    # True: the count chosen by measuring what each stream adds (agent.pull.stream_count), up
+    # to ``streams`` (the policy's ``pulls.adaptive_streams``, ``wagent pull --adaptive``)
+    adaptive: bool = False
     piece_size: int = 64 * 2**20        # publisher side; here only the cap of one request
     # Consecutive pieces batched into one Range request at most; a pull lowers it so that its
     # streams finish together (agent.pull.engine), and hands the transfer what it uses.
@@ -54,7 +57,8 @@ class PullOptions:
 
     @classmethod
     def from_policy(cls, pulls: Pulls) -> PullOptions:
-        return cls(streams=pulls.streams, piece_size=pulls.piece_size,
+        return cls(streams=pulls.streams, adaptive=pulls.adaptive_streams,
+                   piece_size=pulls.piece_size,
                    request_size=min(pulls.piece_size, cls.request_size),
                    connect_timeout=pulls.connect_timeout, read_timeout=pulls.read_timeout,
                    retries=pulls.retries)

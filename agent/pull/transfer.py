@@ -49,6 +49,7 @@ from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Meter
 from agent.pull.options import PullOptions
 from agent.pull.plan import Copy, RangeRequest, take_piece
+from agent.pull.stream_count import StreamCount
 from agent.redact import redact
 from agent.store import Store
 from agent.store.partial import Partial
@@ -149,6 +150,14 @@ class Transfer:
         # stream's share of it; a piece already in flight when a reader asks is boosted so too
         self.boosted: set[int] = set()
         self.fetching: dict[int, RangeRequest] = {}
+        # How many streams run (under cond): all of ``streams``, or as many as measuring what
+        # each adds says (``agent.pull.stream_count``); a stream numbered at or past it ends
+        # after its request, and one is started for each number under it not running.
+        self.chooser = StreamCount(options.streams) if options.adaptive else None
+        self.target = self.chooser.count if self.chooser is not None else options.streams
+        self.streams_why = self.chooser.reason if self.chooser is not None else \
+            f"{options.streams} (fixed: pulls.adaptive_streams is off)"
+        self._running: set[int] = set()
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
@@ -206,10 +215,9 @@ class Transfer:
                 return
 
     def _run(self, tick: Callable[[], None], interval: float) -> None:
-        workers = [threading.Thread(target=self._stream, args=(i,), name=f"pull-{i}", daemon=True)
-                   for i in range(self.s.streams)]
+        workers = [self._stream_thread(i) for i in range(self.target)]
         if self.demand is not None:
-            workers.append(threading.Thread(target=self._stream, args=(self.s.streams, True),
+            workers.append(threading.Thread(target=self._stream, args=(-1, True),
                                             name="pull-urgent", daemon=True))
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
         # Files whose pieces were all journaled already: before any stream can touch them.
@@ -238,6 +246,7 @@ class Transfer:
             while alive := [t for t in threads if t.is_alive()]:
                 alive[0].join(step)
                 self._watch()
+                threads += self._choose()
                 rounds += 1
                 if rounds % per_tick == 0:
                     tick()
@@ -253,6 +262,34 @@ class Transfer:
         if self.stop.is_set() and any(f.remaining for f in self.files.values()):
             raise PullStopped("pull stopped; the pieces already verified are kept for the next "
                               "pull")
+
+    def _stream_thread(self, index: int) -> threading.Thread:
+        with self.cond:
+            self._running.add(index)
+        return threading.Thread(target=self._stream, args=(index,), name=f"pull-{index}",
+                                daemon=True)
+
+    def _choose(self) -> list[threading.Thread]:
+        """The stream count, measured again (``chooser``); the streams it adds, started."""
+        if self.chooser is None:
+            return []
+        held = self.bucket is not None and self.bucket.waiting > 0
+        with self.cond:
+            received = self.fetched
+            if self.error is not None or self.stop.is_set() or not (self.queue or self.active):
+                return []
+        count = self.chooser.step(self.clock(), received, held)
+        with self.cond:
+            if count != self.target:
+                log.info("%s/%s: %d streams: %s", self.model, self.version, count,
+                         self.chooser.reason)
+            self.target, self.streams_why = count, self.chooser.reason
+            missing = [i for i in range(count) if i not in self._running]
+            self.cond.notify_all()         # streams past the count end
+        started = [self._stream_thread(i) for i in missing]
+        for t in started:
+            t.start()
+        return started
 
     def _watch(self) -> None:
         """Abandon the requests whose source sends under the goodput floor."""
@@ -274,15 +311,19 @@ class Transfer:
                 self.error = error
             self.cond.notify_all()
 
-    def _next(self, urgent_only: bool = False) -> RangeRequest | None:
+    def _next(self, index: int, urgent_only: bool = False) -> RangeRequest | None:
         """The next request: a reader's first (``urgent``), then the planned ones; only a
-        reader's for the stream that serves nothing else. None once the work has run out."""
+        reader's for the stream that serves nothing else. None once the work has run out, or
+        for stream ``index`` once the count (``target``) is at or under it."""
         with self.cond:
             while self.error is None and not self.stop.is_set() and not self.urgent and (
                     (not self.queue and self.active > 0)
-                    or (urgent_only and (self.queue or self.active > 0))):
+                    or (urgent_only and (self.queue or self.active > 0))) \
+                    and (urgent_only or index < self.target):
                 self.cond.wait(0.2)
-            if self.error is not None or self.stop.is_set():
+            if self.error is not None or self.stop.is_set() or (
+                    not urgent_only and index >= self.target):
+                self._running.discard(index)
                 return None
             if self.urgent:
                 req, waited = self.urgent.popleft()
@@ -291,6 +332,7 @@ class Transfer:
             elif self.queue and not urgent_only:
                 req = self.queue.popleft()
             else:
+                self._running.discard(index)
                 return None
             self.fetching[threading.get_ident()] = req
             self.active += 1
@@ -366,7 +408,7 @@ class Transfer:
         clients: dict[int, Client] = {}
         preferred = 0
         try:
-            while (req := self._next(urgent_only)) is not None:
+            while (req := self._next(index, urgent_only)) is not None:
                 try:
                     preferred = self._fetch(req, clients, preferred)
                 except PullError as e:

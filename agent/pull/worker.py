@@ -34,12 +34,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from agent.policy.model import Model, Policy
 from agent.status import PullInfo, PullProgress
 
 log = logging.getLogger(__name__)
+# a model's figures while none of its pulls runs
+NOT_PULLING: dict[str, Any] = {"streams": 0, "streams_chosen": 0, "streams_why": "",
+                               "rate_bps": 0.0}
 
 DEFAULT_STALL_AFTER = 600.0
 QUEUED_RECHECK = 60.0          # a queued model looks again at least this often
@@ -324,8 +327,7 @@ class Worker:
             return self._until_poll(model, st, now)
         local = d.local_version(model)
         if d.have(model, version):
-            self._set(st, version=version, state="done", local_version=local, streams=0,
-                      rate_bps=0.0)
+            self._set(st, version=version, state="done", local_version=local, **NOT_PULLING)
             return self._made_ready(model, st, version, now)
         if st.published is None or st.published[0] != version:
             try:
@@ -405,14 +407,14 @@ class Worker:
         except Exception as e:
             if stop.is_set():
                 # stopped on purpose (pause, window, reload, shutdown): partials are kept
-                self._set(st, state="paused" if self._paused else "idle", streams=0, rate_bps=0.0)
+                self._set(st, state="paused" if self._paused else "idle", **NOT_PULLING)
                 return 0.1
             self.failures_total += 1
             st.failures += 1
             delay = min(self.policy.poll_interval, 10.0 * 2 ** min(st.failures - 1, 6))
             st.retry_at = d.clock() + delay
             log.warning("pull %s %s failed (retry in %.0f s): %s", model.name, version, delay, e)
-            self._set(st, state="failed", error=str(e), streams=0, rate_bps=0.0)
+            self._set(st, state="failed", error=str(e), **NOT_PULLING)
             return delay
         finally:
             with self._lock:
@@ -420,10 +422,10 @@ class Worker:
             if self._jobs is not None:
                 self._jobs.cancel(f"window-close:{model.name}")
         if stop.is_set() and not d.have(model, version):
-            self._set(st, state="paused" if self._paused else "idle", streams=0, rate_bps=0.0)
+            self._set(st, state="paused" if self._paused else "idle", **NOT_PULLING)
             return 0.1
         st.failures = 0
-        self._set(st, state="done", finished_at=d.clock(), streams=0, rate_bps=0.0,
+        self._set(st, state="done", finished_at=d.clock(), **NOT_PULLING,
                   error=None, local_version=version)
         log.info("pulled %s %s", model.name, version)
         wait = self._made_ready(model, st, version, d.clock())
