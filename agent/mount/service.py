@@ -151,8 +151,8 @@ class Mounts:
             shown = self.shown.get(entry_name(model, version))
         store = self.deps.store()
         if shown is not None:
-            if shown.view is not None and store.installed(model, version) is not None:
-                # links a failed verification took out come back now the version is whole
+            if shown.view is not None:
+                # links a failed verification took out come back once the version is whole
                 with contextlib.suppress(OSError, StoreError):
                     make_view(store, model, version)
             return shown.view
@@ -195,8 +195,8 @@ class Mounts:
         no mount shows any more are removed."""
         try:
             saved = self._load()
-            for model_name, version, dirs, view in saved:
-                if view is None and fd is None:
+            for model_name, version, dirs, viewed in saved:
+                if not viewed and fd is None:
                     log.warning("mount: %s@%s was shown by the FUSE mount, whose descriptor "
                                 "didn't come back (no fd store): not shown again",
                                 model_name, version)
@@ -214,8 +214,8 @@ class Mounts:
                                 model_name, version)
                     continue
                 try:
-                    if view is not None:
-                        view = str(make_view(self.deps.store(), model_name, version))
+                    view = str(make_view(self.deps.store(), model_name, version)) \
+                        if viewed else None
                     self._show(model, version, self.deps.manifest(model, version), dirs, view)
                 except Exception as e:
                     log.error("mount: %s@%s can't be shown again: %s", model_name, version, e)
@@ -306,12 +306,12 @@ class Mounts:
         except OSError as e:   # the mount works on; a restart would not show it again
             log.error("mount: saving %s failed: %s", self._state_path(), e)
 
-    def _load(self) -> list[tuple[str, str, list[str], str | None]]:
-        """(model, version, directories, "view" when bound from the store's view, else None)"""
+    def _load(self) -> list[tuple[str, str, list[str], bool]]:
+        """(model, version, directories, whether bound from the store's view)"""
         try:
             doc = json.loads(self._state_path().read_text())
             return [(str(e["model"]), str(e["version"]), [str(d) for d in e["dirs"]],
-                     "view" if e.get("view") is True else None)
+                     e.get("view") is True)
                     for e in doc["shown"]]
         except FileNotFoundError:
             return []

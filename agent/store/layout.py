@@ -74,6 +74,7 @@ _ALSO = (", or point the store (--store, or store.path in the policy) at a direc
 # Names in a model directory that are no version: the current pointer, a cache's announcement.
 NOT_VERSIONS = frozenset({"current", "latest"})
 _BLOB_NAME = re.compile(r"^[0-9a-f]{64}$")
+VIEWS = "views"                 # the views' directory under the root (agent.store.views)
 BAD_BLOB = ".bad-"              # prefix of a blob being removed after failing verification
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -105,7 +106,7 @@ class Store:
         self.blobs = self.root / "blobs"
         self.models = self.root / "models"
         self.partial = self.root / "partial"
-        self.views = self.root / "views"     # hard links for bind mounts (agent.store.views)
+        self.views = self.root / VIEWS       # hard links for bind mounts (agent.store.views)
         self._usage_file = self.root / "usage.json"
 
     # -- layout ---------------------------------------------------------------------------------

@@ -27,19 +27,16 @@ the daemon's start) puts the links back.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from pathlib import Path
 
 from agent.durable import fsync_dir
 from agent.manifest import Manifest, check_name
-from agent.store.layout import Store, StoreError, real_dir, remove_tree
+from agent.store.layout import VIEWS, Store, StoreError, real_dir, remove_tree
 
-VIEWS = "views"                  # the directory's name under the store's root (Store.views)
-
-
-def views_dir(store: Store) -> Path:
-    return store.views
+__all__ = ["VIEWS", "drop_stale", "drop_view", "make_view", "view_name", "view_names"]
 
 
 def view_name(model: str, version: str) -> str:
@@ -50,41 +47,40 @@ def make_view(store: Store, model: str, version: str) -> Path:
     """The view of an installed version: made now, or the one there already with any link
     it lost put back (a blob that failed verification takes its links out of the views,
     ``Store.drop_blob``; once pulled again the version is whole)."""
-    target = views_dir(store) / view_name(model, version)
+    target = store.views / view_name(model, version)
     m = store.installed(model, version)
     if os.path.isdir(target) and not os.path.islink(target):
         if m is not None:
-            _relink(store, m, target)
+            _link_missing(store, m, target)
         return target
     if m is None:
         raise StoreError(f"{model} {version} is not complete in the store {store.root}")
-    linked = store.linked_blobs(m)
-    real_dir(views_dir(store))
-    tmp = real_dir(views_dir(store) / f".tmp-{uuid.uuid4().hex}")
+    real_dir(store.views)
+    tmp = real_dir(store.views / f".tmp-{uuid.uuid4().hex}")
     try:
-        for f in m.files:
-            dst = tmp / f.path                  # manifest paths are relative, checked on parse
-            parent = tmp
-            for part in Path(f.path).parts[:-1]:
-                parent = real_dir(parent / part)
-            os.link(store.blob_path(linked[f.path]), dst, follow_symlinks=False)
+        _link_missing(store, m, tmp)
         fsync_dir(tmp)
         os.rename(tmp, target)
-    except FileExistsError:
-        remove_tree(tmp)                        # made meanwhile (another mount): that one
-        if not os.path.isdir(target):
+    except OSError as e:
+        remove_tree(tmp)
+        # made meanwhile (another mount): that one (rename(2) onto a directory with entries)
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not os.path.isdir(target):
             raise
     except BaseException:
         remove_tree(tmp)
         raise
-    fsync_dir(views_dir(store))
+    fsync_dir(store.views)
     return target
 
 
-def _relink(store: Store, m: Manifest, target: Path) -> None:
+def _link_missing(store: Store, m: Manifest, target: Path) -> None:
+    """Every file of ``m`` under ``target`` as a hard link to its blob, those there kept."""
     linked = store.linked_blobs(m)
     for f in m.files:
-        dst = target / f.path
+        dst = target / f.path                   # manifest paths are relative, checked on parse
+        parent = target
+        for part in Path(f.path).parts[:-1]:
+            parent = real_dir(parent / part)
         if not os.path.lexists(dst):
             with contextlib.suppress(FileExistsError):
                 os.link(store.blob_path(linked[f.path]), dst, follow_symlinks=False)
@@ -92,7 +88,7 @@ def _relink(store: Store, m: Manifest, target: Path) -> None:
 
 def drop_view(store: Store, model: str, version: str) -> None:
     """Removes the view of a version (its links only: the blobs stay)."""
-    remove_tree(views_dir(store) / view_name(model, version))
+    remove_tree(store.views / view_name(model, version))
 
 
 def drop_stale(store: Store, keep: set[str]) -> list[str]:
@@ -100,12 +96,12 @@ def drop_stale(store: Store, keep: set[str]) -> list[str]:
     last unmount and its view's removal, or a ``.tmp-`` one half made); returns their names."""
     gone = [n for n in view_names(store) if n not in keep]
     for n in gone:
-        remove_tree(views_dir(store) / n)
+        remove_tree(store.views / n)
     return gone
 
 
 def view_names(store: Store) -> list[str]:
     """The views there are, and what a crash left half made (``.tmp-``)."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        return sorted(os.listdir(views_dir(store)))
+        return sorted(os.listdir(store.views))
     return []

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from agent.store import Store, StoreError
-from agent.store.views import drop_stale, drop_view, make_view, view_names, views_dir
+from agent.store.views import drop_stale, drop_view, make_view, view_names
 from tests.unit.test_store import put_version
 
 
@@ -20,7 +20,7 @@ def store(tmp_path):
 def test_a_view_links_the_blobs_of_an_installed_version(store):
     put_version(store, "m", "v1", {"a.safetensors": b"abc", "sub/config.json": b"{}"})
     view = make_view(store, "m", "v1")
-    assert view == views_dir(store) / "m@v1"
+    assert view == store.views / "m@v1"
     vdir = store.version_dir("m", "v1")
     for path, data in (("a.safetensors", b"abc"), ("sub/config.json", b"{}")):
         st = os.lstat(view / path)
@@ -47,7 +47,7 @@ def test_stale_views_go_and_shown_ones_stay(store):
     put_version(store, "m", "v2", {"a": b"2"})
     make_view(store, "m", "v1")
     make_view(store, "m", "v2")
-    (views_dir(store) / ".tmp-0123").mkdir()             # a crash while making one
+    (store.views / ".tmp-0123").mkdir()             # a crash while making one
     assert drop_stale(store, {"m@v2"}) == [".tmp-0123", "m@v1"]
     assert view_names(store) == ["m@v2"]
 
