@@ -7,9 +7,11 @@ find it, never after a sleep that a loaded machine may outlast."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # HUP each time the daemon's SIGHUP handler has run (the kernel merges a signal sent while one
 # is pending, so the test sends the next one only then).
 SCRIPT = r"""
-import os, signal, sys, time
+import faulthandler, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1)
 from agent.daemon import Daemon
 from agent.notify import Notifier
 from agent.policy.model import Policy
@@ -61,28 +64,57 @@ sys.exit(d.run(Policy(path="/p.yaml", sha256="a" * 64)))
 
 
 class Child:
-    """The daemon's process, its output read line by line and kept."""
+    """The daemon's process, its output read line by line and kept. A thread reads the pipe, so
+    every wait ends at its deadline even when the child hangs without a word; a child that
+    hangs is asked for its threads' stacks (faulthandler, SIGUSR1) before it is killed."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            [sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)))
         self.lines: list[str] = []
+        self._out: queue.Queue[str | None] = queue.Queue()
+        self._err: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._out.put),
+                         daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self._err.append),
+                         daemon=True).start()
+
+    @staticmethod
+    def _pump(pipe, put) -> None:
+        for line in pipe:
+            put(line)
+        put(None)
+
+    def stderr(self) -> str:
+        return "".join(s for s in self._err if s is not None)
 
     def wait_line(self, want: str, refuse: str | None = None, timeout: float = 15.0) -> None:
         """Reads up to a line starting with ``want``; fails on one starting with ``refuse``."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._out.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
                 break
             self.lines.append(line.strip())
             if refuse is not None and line.startswith(refuse):
                 break
             if line.startswith(want):
                 return
-        self.proc.kill()
-        raise AssertionError(f"no {want!r}: {self.lines} {self.proc.stderr.read()[-2000:]}")
+        self.fail(f"no {want!r}")
+
+    def fail(self, what: str) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)     # its stacks, to stderr
+            time.sleep(0.5)
+            self.proc.kill()
+        self.proc.wait()
+        time.sleep(0.2)                               # the pumps read to the end
+        raise AssertionError(f"{what}: {self.lines} {self.stderr()[-4000:]}")
 
     def go(self) -> None:
         """Ends the start or the reload that waits."""
@@ -97,10 +129,15 @@ class Child:
         self.proc.send_signal(signal.SIGHUP)
         self.wait_line("HUP")
 
-    def finish(self, timeout: float) -> tuple[str, str]:
-        out, err = self.proc.communicate(timeout=timeout)
-        self.lines += out.splitlines()
-        return out, err
+    def finish(self, timeout: float) -> str:
+        """Waits for the exit, then for the rest of the output; returns stderr."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"not exited within {timeout} s")
+        while (line := self._out.get(timeout=5)) is not None:
+            self.lines.append(line.strip())
+        return self.stderr()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -128,7 +165,7 @@ def test_sighup_while_starting_does_not_kill_and_a_storm_is_one_reload():
         child.wait_line("TICK", refuse="RECONCILE")
         child.wait_line("TICK", refuse="RECONCILE")
         child.signal(signal.SIGTERM)
-        _, err = child.finish(timeout=10)
+        err = child.finish(timeout=10)
     finally:
         child.close()
     assert child.proc.returncode == 0, err[-2000:]
