@@ -9,17 +9,24 @@ server, and CPU. On the testbed, 8 streams gave 38.5 MiB/s where 24 gave 69.9 be
 cap per connection; one or two fill a path with no such cap. Neither number can be known
 ahead.
 
-The rule, judged over ``WINDOW`` s of goodput after ``SETTLE`` s for a change to take (new
-connections, slow start):
+The rule, judged on windows of goodput that begin ``SETTLE`` s after a change, each
+``WINDOW`` s and ``GRAINS`` reads long (at most ``LONGEST`` s), and go on while each is more than
+``RISING`` above the one before (new connections on a long round trip are still in slow start),
+at most ``WINDOWS`` of them:
 
-- start with ``START`` streams (the maximum if lower);
-- *growing*: add half as many again (at least one) while each added stream carries at least
-  ``GAIN`` of what an average stream carried before (and the aggregate grows by
-  ``MIN_GROWTH``, more than a window's noise); else try half the step, and once a single
-  added stream adds too little, give it back: the count settles;
+- start with ``START`` streams (the maximum if lower), then one more, then double while each
+  added stream carries at least ``LINEAR`` of what an average one carried before: below the
+  path's limit every stream adds its own rate, so the ramp to 24 takes four judgements;
+- an added step that grew the aggregate by less than ``MIN_GROWTH`` (a window's noise) is
+  given back, and the count settles;
+- one that grew it, but less than in proportion, crossed the path's limit: the limit is near
+  ``before + added x (what each added stream carried / what an average one carried)``, the
+  count where the added streams would have carried an average share each. That count is
+  tried, and kept if goodput stays within ``KEEP`` of the larger count's; from a step that
+  tried nothing smaller, the count grows on by a quarter;
 - *settled*: every ``REPROBE`` s, or at once when goodput moved by more than ``MOVED`` (a cap
-  lifted, a source dropped), probe: alternately a quarter more (kept if each added one carries
-  ``GAIN`` of an average one, then growing again) and a quarter fewer (kept if goodput stays
+  lifted, a source dropped), probe: alternately a quarter more (kept if it grew the aggregate
+  by ``MIN_GROWTH``, then growing on by quarters) and a quarter fewer (kept if goodput stays
   within ``KEEP``);
 - *held*: when the token bucket held the streams in a window (``pulls.rate``, the backoff), the
   link is not what limits the pull: one stream fewer per window, kept while goodput stays
@@ -35,23 +42,29 @@ that two streams fill:
 ...         c.step(t, got, held=False)
 ...     return c.count
 >>> pull(StreamCount(most=32), lambda n: min(5e6 * n, 120e6), 30)
-28
+24
 >>> c = StreamCount(most=8)
 >>> pull(c, lambda n: 100e6, 30), c.reason
-(2, '1 more stream added 0 B/s each (an average one carried 47.7 MiB/s): given back')
+(2, '1 more stream grew goodput by 0% (95.4 MiB/s): given back')
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from agent.units import format_size
 
 START = 2            # streams a pull starts with
-SETTLE = 1.0         # s after a change before goodput is measured
-WINDOW = 1.0         # s of goodput a judgement takes
-GAIN = 0.25          # an added stream must carry this share of an average stream's goodput
-MIN_GROWTH = 0.03    # ...and the aggregate grow by this share at least (a window's noise)
+SETTLE = 0.25        # s after a change before goodput is measured
+WINDOW = 0.5         # s of goodput in one window, at least...
+GRAINS = 16          # ...and this many of the pull's reads (``grain``): bytes are counted a
+                     # read at a time, so a shorter window is off by a read's share
+LONGEST = 3.0        # s a window lasts at most, however few reads it took
+RISING = 0.05        # a window this much above the one before: still ramping, measure again
+WINDOWS = 4          # windows at most before a judgement
+LINEAR = 0.75        # added streams carrying this share of an average one: keep doubling
+MIN_GROWTH = 0.03    # an added step must grow the aggregate by this share (a window's noise)
 KEEP = 0.95          # fewer streams are kept if goodput stays within this share
 MOVED = 0.25         # settled goodput moving by this share: the path changed, probe again
 REPROBE = 30.0       # s between probes while settled
@@ -67,34 +80,48 @@ class _Probe:
 class StreamCount:
     """The count now (``count``) and why (``reason``); ``step`` moves it."""
 
-    def __init__(self, most: int, start: int = START) -> None:
+    def __init__(self, most: int, start: int = START, grain: int = 0) -> None:
+        """``grain``: the bytes the pull reads (and counts) at a time."""
         self.most = max(1, most)
+        self.grain = grain
         self.count = min(self.most, max(1, start))
         self.reason = f"starting with {self.count}"
         self._probe: _Probe | None = _Probe(0, 0.0, True)   # growing from nothing
+        self._fine = False                                  # growing by quarters, not doubling
         self._changed_at: float | None = None
         self._mark: tuple[float, float] | None = None       # (time, bytes) the window began
+        self._windows: list[float] = []                     # goodput of this count's windows
         self._held = False
         self._settled: tuple[float, float] | None = None    # (goodput, since)
         self._up_next = True
 
-    def step(self, now: float, received: float, held: bool) -> int:
+    def step(self, now: float, received: float, held: bool, starved: bool = False) -> int:
         """``received``: the pull's bytes so far; ``held``: its token bucket held a stream
-        since the last call. Returns the count to run now."""
+        since the last call; ``starved``: some streams may have no work (the pull's last
+        requests), so nothing is measured. Returns the count to run now."""
+        if starved:
+            self._mark, self._windows = None, []
+            return self.count
         if self._changed_at is None:
             self._changed_at = now
         if now - self._changed_at < SETTLE:
             return self.count
         if self._mark is None:
-            self._mark, self._held = (now, received), False
+            self._mark = (now, received)
             return self.count
         self._held = self._held or held
         start, before = self._mark
-        if now - start < WINDOW:
+        took = now - start
+        if took < WINDOW or (received - before < GRAINS * self.grain and took < LONGEST):
             return self.count
         goodput = (received - before) / (now - start)
-        self._mark = None
-        self._judge(now, goodput, self._held)
+        self._mark = (now, received)
+        self._windows.append(goodput)
+        w = self._windows
+        if len(w) < 2 or (w[-1] > (1 + RISING) * w[-2] and len(w) < WINDOWS):
+            return self.count              # one window proves nothing; a rising one is early
+        held, self._held = self._held, False
+        self._judge(now, goodput, held)
         return self.count
 
     def _change(self, now: float, count: int, reason: str) -> None:
@@ -102,34 +129,23 @@ class StreamCount:
         self.reason = reason
         self._changed_at = now
         self._mark = None
+        self._windows = []
 
     def _settle(self, now: float, goodput: float, reason: str) -> None:
         self._probe = None
+        self._fine = False
         self._settled = (goodput, now)
         self.reason = reason
 
     def _judge(self, now: float, goodput: float, held: bool) -> None:
+        self._windows = []
         p = self._probe
+        grew = ""
         if p is not None and p.up and p.before:
-            added = self.count - p.before
-            each = (goodput - p.goodput) / added
-            average = p.goodput / p.before
-            if each < GAIN * average or goodput < (1 + MIN_GROWTH) * p.goodput or held:
-                why = (f"{added} more stream{'s' * (added > 1)} added {_rate(each)} each (an "
-                       f"average one carried {_rate(average)})")
-                if added > 1 and not held:
-                    # the step may have overshot where streams stop adding: half of it
-                    self._probe = p
-                    self._change(now, p.before + added // 2, f"{why}: trying {added // 2}")
-                    return
-                self._change(now, p.before, f"{why}: given back")
-                self._settle(now, p.goodput, self.reason)
+            if self._judge_up(now, p, goodput, held):
                 return
-            p = _Probe(0, 0.0, True)          # worth it: on growing from here
-            grew = (f"{added} more stream{'s' * (added > 1)} added {_rate(each)} each (an "
-                    f"average one carried {_rate(average)})")
-        else:
-            grew = ""
+            grew = self.reason
+            p = self._probe
         if p is not None and not p.up:
             if goodput < KEEP * p.goodput:
                 self._change(now, p.before, f"{self.count} streams carried {_rate(goodput)}, "
@@ -155,8 +171,12 @@ class StreamCount:
                 self._settle(now, goodput, f"{self.count} streams, the most the policy allows"
                              + (f": {grew}" if grew else ""))
                 return
+            if self._fine:
+                more = max(1, self.count // 4)
+            else:
+                more = 1 if self.count < 3 else self.count
             self._probe = _Probe(self.count, goodput, True)
-            self._change(now, self.count + max(1, self.count // 2),
+            self._change(now, self.count + more,
                          f"growing: {grew}" if grew else f"growing from {self.count}")
             return
         assert self._settled is not None
@@ -168,6 +188,7 @@ class StreamCount:
         why = "goodput moved" if moved else "probing"
         if self._up_next and self.count < self.most:
             self._probe = _Probe(self.count, goodput, True)
+            self._fine = True
             self._change(now, self.count + step, f"{why}: {step} more")
         elif self.count > 1:
             self._probe = _Probe(self.count, goodput, False)
@@ -175,6 +196,37 @@ class StreamCount:
         else:
             self._settled = (goodput, now)
         self._up_next = not self._up_next
+
+    def _judge_up(self, now: float, p: _Probe, goodput: float, held: bool) -> bool:
+        """Judges ``p.before`` -> ``count`` streams. True when it decided the next count;
+        False when the step was worth it and growing goes on (``reason`` says what it grew)."""
+        added = self.count - p.before
+        each = (goodput - p.goodput) / added
+        average = p.goodput / p.before
+        share = each / average if average > 0 else 0.0
+        growth = goodput / p.goodput - 1 if p.goodput > 0 else 1.0
+        what = (f"{added} more stream{'s' * (added > 1)} grew goodput by {growth:.0%} "
+                f"({_rate(goodput)})")
+        if held or growth < MIN_GROWTH:
+            self._change(now, p.before, f"{what}: given back")
+            self._settle(now, p.goodput, self.reason)
+            return True
+        if share >= LINEAR:
+            self.reason = f"{what}, {share:.0%} of an average stream's each"
+            self._probe = _Probe(0, 0.0, True)
+            return False
+        # Past the path's limit: the added streams shared what was left of it. Where they
+        # would have carried an average share each is where the limit is.
+        knee = p.before + max(1, math.ceil(added * share))
+        if knee < self.count:
+            self._probe = _Probe(self.count, goodput, False)
+            self._change(now, knee, f"{what}, {share:.0%} of an average stream's each: the "
+                         f"path's limit is near {knee}: trying {knee}")
+            return True
+        self.reason = f"{what}, {share:.0%} of an average stream's each"
+        self._probe = _Probe(0, 0.0, True)
+        self._fine = True
+        return False
 
 
 def _rate(bytes_per_s: float) -> str:

@@ -153,7 +153,8 @@ class Transfer:
         # How many streams run (under cond): all of ``streams``, or as many as measuring what
         # each adds says (``agent.pull.stream_count``); a stream numbered at or past it ends
         # after its request, and one is started for each number under it not running.
-        self.chooser = StreamCount(options.streams) if options.adaptive else None
+        self.chooser = StreamCount(options.streams, grain=options.chunk) if options.adaptive \
+            else None
         self.target = self.chooser.count if self.chooser is not None else options.streams
         self.streams_why = self.chooser.reason if self.chooser is not None else \
             f"{options.streams} (fixed: pulls.adaptive_streams is off)"
@@ -278,7 +279,10 @@ class Transfer:
             received = self.fetched
             if self.error is not None or self.stop.is_set() or not (self.queue or self.active):
                 return []
-        count = self.chooser.step(self.clock(), received, held)
+            # Near the end fewer requests are left than streams: what they carry then says
+            # nothing of the path, so the count is not judged on it.
+            starved = len(self.queue) < 2 * self.target
+        count = self.chooser.step(self.clock(), received, held, starved=starved)
         with self.cond:
             if count != self.target:
                 log.info("%s/%s: %d streams: %s", self.model, self.version, count,

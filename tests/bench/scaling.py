@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adaptive", type=int, default=0, metavar="MOST",
                     help="one more row: wagent choosing its count (pulls.adaptive_streams), "
                     "at most MOST (0: no such row)")
+    ap.add_argument("--link-x", type=float, default=10.0,
+                    help="the link as a multiple of R: the best fixed count is about this")
+    ap.add_argument("--aria2-j", type=int, default=8, help="aria2c's -j (files at once)")
     ap.add_argument("--no-aria2", action="store_true", help="skip aria2c and the disk row")
     args = ap.parse_args(argv)
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         total = sum((version / f).stat().st_size for f in files)
         with Testbed() as tb:
             origin, node = tb.host("origin"), tb.host("node")
-            link = tb.connect(origin, node, rate=per_conn * 10)
+            link = tb.connect(origin, node, rate=int(per_conn * args.link_x))
             if args.cap == "flow":
                 node.sysctl(**{"net.ipv4.ip_local_port_range": "40000 40255"})
                 origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, per_conn))
@@ -106,19 +109,19 @@ def main(argv: list[str] | None = None) -> int:
                 wagent(args.adaptive, shm, f"wagent --adaptive (most {args.adaptive})",
                        adaptive=True)
             if args.no_aria2:
-                rows.append(("aria2c -j8 -x1 (not run)", 1.0, float("nan")))
+                rows.append((f"aria2c -j{args.aria2_j} -x1 (not run)", 1.0, float("nan")))
             else:
                 out = shm / "aria2"
                 out.mkdir()
                 (shm / "urls.txt").write_text("".join(f"{url}/{f}\n  out={f}\n"
                                                       for f in files))
                 t = time.monotonic()
-                node.run(["aria2c", "-q", "-j8", "-x1", "-s1", "-d", str(out), "-i",
+                node.run(["aria2c", "-q", f"-j{args.aria2_j}", "-x1", "-s1", "-d", str(out), "-i",
                           str(shm / "urls.txt"), "--allow-overwrite=true",
                           "--auto-file-renaming=false", "--file-allocation=falloc"],
                          timeout=900)
                 took = time.monotonic() - t
-                rows.append(("aria2c -j8 -x1 (tmpfs)", took, total / took))
+                rows.append((f"aria2c -j{args.aria2_j} -x1 (tmpfs)", took, total / took))
                 shutil.rmtree(out)
                 wagent(8, disk, "wagent --streams 8 (disk)")
     finally:
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     one = rows[0][2]
     aria = next(r[2] for r in rows if r[0].startswith("aria2c"))
     print(f"Scaling: {format_size(total)} in {len(files)} files, {per_conn / 8e6:.1f} MB/s per "
-          f"connection ({args.cap}), link {per_conn * 10 / 1e6:.0f} Mbit/s")
+          f"connection ({args.cap}), link {per_conn * args.link_x / 1e6:.0f} Mbit/s")
     print(f"{'client':30} {'seconds':>8} {'MB/s':>8} {'x row 1':>10} {'x aria2c':>9}")
     for label, secs, bps in rows:
         print(f"{label:30} {secs:8.2f} {bps / 1e6:8.2f} {bps / one:10.2f} {bps / aria:9.2f}")

@@ -12,7 +12,7 @@ from tests.pull_helpers import publish_dir, pull_in
 
 pytestmark = pytest.mark.netns
 
-PER_CONN = 16_000_000            # bits/s: 2 MB/s per connection
+PER_CONN = 40_000_000            # bits/s: 5 MB/s per connection (a window is 16 reads)
 LINK = 10 * PER_CONN             # ten connections fill the link
 
 
@@ -31,7 +31,7 @@ def _origin(testbed, size: int, capped: bool):
 
 
 def test_the_count_grows_behind_a_cap_per_connection(testbed):
-    node, url, size = _origin(testbed, 48 << 20, capped=True)
+    node, url, size = _origin(testbed, 192 << 20, capped=True)
     r = pull_in(node, url, testbed.tmpdir("store"), streams=8, adaptive=True)
     assert r["fetched"] == r["total"]
     print(r["streams"], r["streams_why"], f"{r['seconds']:.1f} s")

@@ -1,7 +1,7 @@
 """The stream count chosen by measurement (``agent.pull.stream_count``), against modelled paths:
 goodput as a function of the count, fed as a pull feeds it."""
 
-from agent.pull.stream_count import REPROBE, StreamCount
+from agent.pull.stream_count import REPROBE, SETTLE, WINDOW, StreamCount
 
 MB = 1e6
 
@@ -20,8 +20,42 @@ def pull(c, rate_of, seconds, start=0.0, dt=0.25, held_of=lambda n: False):
 def test_behind_a_cap_per_connection_it_grows_to_what_fills_the_link():
     c = StreamCount(most=32)
     counts = pull(c, lambda n: min(5 * MB * n, 120 * MB), 40)
-    assert counts[:8] == [2, 3, 4, 6, 9, 13, 19, 28]
-    assert 24 <= c.count <= 28, counts           # 24 fill it; the step overshoots by 4 at most
+    # one more, then doubling while each added stream carries its share; past 24 nothing
+    assert counts[:7] == [2, 3, 6, 12, 24, 32, 24], counts
+    assert c.count == 24
+
+
+def test_the_ramp_reaches_the_limit_in_four_judgements():
+    c = StreamCount(most=32)
+    t, got = 0.0, 0.0
+    while c.count < 24:
+        t, got = t + 0.05, got + min(5 * MB * c.count, 120 * MB) * 0.05
+        c.step(t, got, held=False)
+    # each judgement: the settle and two windows (and a step of the feed between them)
+    assert t <= 4 * (SETTLE + 2 * WINDOW + 0.1) + 0.1, t
+
+
+def test_past_the_limit_the_count_goes_to_where_it_is():
+    # 6 MB/s per connection, 120 MB/s: 20 fill it; doubling 12 -> 24 overshoots
+    c = StreamCount(most=64)
+    counts = pull(c, lambda n: min(6 * MB * n, 120 * MB), 40)
+    assert counts[:6] == [2, 3, 6, 12, 24, 20], counts
+    assert c.count == 20, c.reason             # and probes either side give it back
+
+
+def test_windows_wait_while_new_streams_ramp_up():
+    # each change takes 1.5 s to reach its rate (slow start on a long round trip): the
+    # judgement waits for windows that stop rising, and the count still reaches 24
+    c = StreamCount(most=32)
+    t, got, since, old = 0.0, 0.0, 0.0, c.count
+    while t < 40:
+        ramp = min(1.0, (t - since) / 1.5)
+        streams = min(old, c.count) + max(0, c.count - old) * ramp
+        t, got = t + 0.05, got + min(5 * MB * streams, 120 * MB) * 0.05
+        before = c.count
+        if c.step(t, got, held=False) != before:
+            since, old = t, before
+    assert 22 <= c.count <= 28, c.reason
 
 
 def test_it_never_passes_the_policys_streams():
@@ -72,3 +106,28 @@ def test_settled_it_probes_both_ways_every_while():
     # up probes given back, then a probe down: one stream carries as much, so one it is
     assert counts.count(3) >= 2 and counts[-1] == 1 and c.count == 1, counts
     assert "carry as much" in c.reason
+
+
+def test_a_window_holds_enough_reads_to_measure_by():
+    # bytes come a read (1 MiB) at a time: at 4 MB/s a 0.5 s window would be off by half
+    c = StreamCount(most=8, grain=1 << 20)
+    t, got, changes = 0.0, 0.0, []
+    while t < 30:
+        t += 0.05
+        got += 2 * MB * c.count * 0.05
+        counted = (got // (1 << 20)) * (1 << 20)          # what a pull has booked
+        before = c.count
+        if c.step(t, counted, held=False) != before:
+            changes.append(t)
+    assert changes and changes[0] >= 16 * (1 << 20) / (4 * MB), changes
+    assert c.count == 8, c.reason                 # the quantized counts still grow it
+
+
+def test_the_last_requests_of_a_pull_judge_nothing():
+    c = StreamCount(most=32)
+    pull(c, lambda n: min(5 * MB * n, 120 * MB), 3)
+    n = c.count
+    t, got = 3.0, 0.0
+    while t < 10:                 # goodput falls as streams run out of work: not the path's
+        t, got = t + 0.25, got + 1 * MB * 0.25
+        assert c.step(t, got, held=False, starved=True) == n
