@@ -107,7 +107,7 @@ class StreamCount:
         if now - self._changed_at < SETTLE:
             return self.count
         if self._mark is None:
-            self._mark = (now, received)
+            self._mark, self._held = (now, received), False    # a hold while settling is past
             return self.count
         self._held = self._held or held
         start, before = self._mark
