@@ -114,7 +114,7 @@ class StreamCount:
         took = now - start
         if took < WINDOW or (received - before < GRAINS * self.grain and took < LONGEST):
             return self.count
-        goodput = (received - before) / (now - start)
+        goodput = (received - before) / took
         self._mark = (now, received)
         self._windows.append(goodput)
         w = self._windows
@@ -211,21 +211,19 @@ class StreamCount:
             self._change(now, p.before, f"{what}: given back")
             self._settle(now, p.goodput, self.reason)
             return True
-        if share >= LINEAR:
-            self.reason = f"{what}, {share:.0%} of an average stream's each"
-            self._probe = _Probe(0, 0.0, True)
-            return False
-        # Past the path's limit: the added streams shared what was left of it. Where they
-        # would have carried an average share each is where the limit is.
-        knee = p.before + max(1, math.ceil(added * share))
-        if knee < self.count:
-            self._probe = _Probe(self.count, goodput, False)
-            self._change(now, knee, f"{what}, {share:.0%} of an average stream's each: the "
-                         f"path's limit is near {knee}: trying {knee}")
-            return True
-        self.reason = f"{what}, {share:.0%} of an average stream's each"
+        what += f", {share:.0%} of an average stream's each"
+        if share < LINEAR:
+            # Past the path's limit: the added streams shared what was left of it. Where they
+            # would have carried an average share each is where the limit is.
+            knee = p.before + max(1, math.ceil(added * share))
+            if knee < self.count:
+                self._probe = _Probe(self.count, goodput, False)
+                self._change(now, knee, f"{what}: the path's limit is near {knee}: trying "
+                             f"{knee}")
+                return True
+            self._fine = True
+        self.reason = what
         self._probe = _Probe(0, 0.0, True)
-        self._fine = True
         return False
 
 

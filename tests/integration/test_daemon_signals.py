@@ -76,19 +76,19 @@ class Child:
         self.lines: list[str] = []
         self._out: queue.Queue[str | None] = queue.Queue()
         self._err: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self._out.put),
-                         daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self._err.append),
-                         daemon=True).start()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self._err_reader = threading.Thread(target=lambda: self._err.extend(self.proc.stderr),
+                                            daemon=True)
+        self._err_reader.start()
 
-    @staticmethod
-    def _pump(pipe, put) -> None:
-        for line in pipe:
-            put(line)
-        put(None)
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._out.put(line)
+        self._out.put(None)
 
     def stderr(self) -> str:
-        return "".join(s for s in self._err if s is not None)
+        self._err_reader.join(timeout=5)     # the child has exited: its stderr ends
+        return "".join(self._err)
 
     def wait_line(self, want: str, refuse: str | None = None, timeout: float = 15.0) -> None:
         """Reads up to a line starting with ``want``; fails on one starting with ``refuse``."""
@@ -113,7 +113,6 @@ class Child:
             time.sleep(0.5)
             self.proc.kill()
         self.proc.wait()
-        time.sleep(0.2)                               # the pumps read to the end
         raise AssertionError(f"{what}: {self.lines} {self.stderr()[-4000:]}")
 
     def go(self) -> None:
