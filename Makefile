@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := nginx-light iperf3 aria2 rsync curl openssl iproute2 python3-venv python3-pip \
 	python3-pyroute2 python3-apscheduler python3-yaml python3-requests python3-sdnotify \
 	python3-prometheus-client python3-pytest python3-pytest-timeout python3-numpy python3-pyfuse3 \
-	python3-trio fuse3 libfuse3-dev pkg-config gcc python3-dev
+	python3-trio fuse3 libfuse3-dev pkg-config gcc python3-dev python3-botocore faketime
 DEB_BUILD_PACKAGES := debhelper dh-python pybuild-plugin-pyproject python3-all python3-setuptools \
 	lintian systemd fakeroot build-essential man-db
 

@@ -17,8 +17,8 @@ from agent import __version__, logs
 EXIT_BROKEN_PIPE = 141              # 128 + SIGPIPE, as the shell reports a command killed by it
 
 # Order is the order of `wagent --help`.
-SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "pull",
-               "wait", "mount", "store", "shaping", "plan")
+SUBCOMMANDS = ("run", "status", "reload", "pause", "resume", "policy", "manifest", "publish",
+               "pull", "wait", "mount", "store", "shaping", "plan")
 REGISTERED_BY = {"umount": "mount"}     # subcommands a module above registers beside its own
 
 

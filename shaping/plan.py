@@ -262,7 +262,11 @@ def source_ports(sources: Sequence[Source]) -> tuple[int, ...]:
     """Ports the pulls come from: each source's (and proxy's) explicit port, else 80/443."""
     ports: set[int] = set()
     for source in sources:
-        for url in (source.url, source.proxy):
+        try:
+            base = source.base              # an s3:// source's endpoint
+        except ValueError as e:
+            raise PlanError(f"source {source.url!r}: {e}") from None
+        for url in (base, source.proxy):
             if not url:
                 continue
             parts = urlsplit(url)

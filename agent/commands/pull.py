@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from types import FrameType
 
+from agent.commands import source_options
 from agent.manifest import ManifestError, check_name
 from agent.policy import PolicyError, load_policy
 from agent.policy.model import Pulls, Source
@@ -40,7 +41,8 @@ from shaping.errors import ShapingError
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="pull one model version into a store",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("url", metavar="URL", help="{source}/{model}/{version}; version may be 'latest'")
+    p.add_argument("url", metavar="URL", help="{source}/{model}/{version}; version may be "
+                   "'latest'; a source is http(s):// or s3://BUCKET/PREFIX")
     p.add_argument("--store", required=True, metavar="DIR", help="the store directory")
     p.add_argument("--streams", type=int, metavar="N", help="parallel streams (default 8); "
                    "with --adaptive, the most")
@@ -51,11 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mirror", action="append", default=[], metavar="URL",
                    help="another source base URL, tried per piece after the first (repeatable)")
     p.add_argument("--piece-size", metavar="SIZE", help="largest request (default 64MiB)")
-    p.add_argument("--ca-bundle", metavar="FILE", help="PEM CA bundle for TLS (verification is "
-                                                       "always on)")
-    p.add_argument("--proxy", metavar="URL", help="HTTP proxy for every source")
-    p.add_argument("--credentials", metavar="FILE",
-                   help="file holding 'bearer TOKEN' or 'basic USER:PASSWORD' (never logged)")
+    source_options.add(p)
     p.add_argument("--verify-files", action="store_true",
                    help="also re-read and hash each whole file (pieces are always verified)")
     p.add_argument("--policy", metavar="FILE",
@@ -77,9 +75,9 @@ def split_url(url: str) -> tuple[str, str, str]:
         raise ValueError(f"URL {redact(url)!r} must be {{source}}/{{model}}/{{version}}, e.g. "
                          "http://origin:8080/llama/v7 (version may be 'latest')")
     scheme = parts[0].split("://", 1)[0].lower()
-    if scheme not in ("http", "https"):
+    if scheme not in ("http", "https", "s3"):
         raise ValueError(f"URL {redact(url)!r}: {scheme}:// is not supported; sources are "
-                         "http:// or https://")
+                         "http://, https:// or s3://BUCKET/PREFIX")
     try:
         check_name("model", parts[1])
         if parts[2] != "latest":            # 'latest' is resolved; any other must be a version
@@ -107,14 +105,14 @@ def run_with_policy(args: argparse.Namespace, connections: Connections) -> int:
         return 1
     try:
         rate = parse_rate(args.rate) if args.rate else None
-        source = split_url(args.url)[0]
+        source = source_options.source_of(split_url(args.url)[0], args)
     except (UnitError, ValueError) as e:
         print(f"wagent pull: {e}", file=sys.stderr)
         return 2
     bucket = TokenBucket(None)
     try:
         with around_pull(policy, bucket, sockets=connections.sockets, rate=rate,
-                         sources=[Source(source)]):
+                         sources=[source]):
             return run_pull(args, bucket, connections=connections)
     except ShapingError as e:
         print(f"wagent pull: shaping: {e}", file=sys.stderr)
@@ -149,8 +147,11 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
         bucket = TokenBucket(rate)
     elif rate is not None:
         bucket.set_rate(rate)
-    sources = [Source(u, proxy=args.proxy, ca_bundle=args.ca_bundle,
-                      credentials=args.credentials) for u in [source, *args.mirror]]
+    try:
+        sources = [source_options.source_of(u, args) for u in [source, *args.mirror]]
+    except ValueError as e:
+        print(f"wagent pull: {e}", file=sys.stderr)
+        return 2
     stop = stop or threading.Event()
     reporter = Reporter(quiet=args.quiet or args.json)
     restore = _stop_on_term(stop)

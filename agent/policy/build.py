@@ -249,7 +249,7 @@ class Builder:
                 return NO_VALUE
             value = float(raw)
         elif hint is str:
-            return self._text(node, path)
+            value = self._text(node, path)      # then its choices, if any
         else:
             self.error(line, f"{path}: no loader for type {hint!r} (a wagent bug)")
             return NO_VALUE

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agent.s3.address import ADDRESSING, http_base, is_s3
 from agent.units import Share, resolve_rate
 
 DEFAULT_WAVES = ("inference", "evaluation", "training")
@@ -93,13 +94,33 @@ class Waves:
 
 @dataclass(frozen=True)
 class Source:
-    url: str                        # http(s) base URL; a version is at {url}/{model}/{version}/
+    # http(s) base URL, or s3://BUCKET/PREFIX; a version is at {url}/{model}/{version}/
+    url: str
     proxy: str | None = None        # HTTP proxy for this source (e.g. a Dragonfly dfdaemon)
     ca_bundle: str | None = None    # PEM file; TLS verification is always on
-    credentials: str | None = None  # file: "bearer TOKEN" or "basic USER:PASSWORD"; never logged
+    # file, never logged: "bearer TOKEN" or "basic USER:PASSWORD"; for s3:// an AWS shared
+    # credentials file (readable by root and the service user only)
+    credentials: str | None = None
     # The cluster's cache tier (cache nodes' stores served by nginx): cache nodes don't poll its
     # `latest`, which names what the tier already holds (agent.announce), they fill it.
     cache: bool = False
+    # s3:// sources (agent.s3): the S3 API's URL (MinIO, Ceph RGW, SeaweedFS); none: AWS's
+    endpoint: str | None = None
+    # SigV4's region; none: the AWS chain's (AWS_REGION, the config file), else us-east-1
+    region: str | None = None
+    addressing: str = field(default="auto", metadata={"choices": ADDRESSING})
+    profile: str | None = None      # the profile of the AWS shared files (none: the chain's)
+
+    @property
+    def is_s3(self) -> bool:
+        return is_s3(self.url)
+
+    @property
+    def base(self) -> str:
+        """The HTTP(S) URL the source's objects are under (an s3:// source's, addressed)."""
+        if not self.is_s3:
+            return self.url
+        return http_base(self.url, self.endpoint, self.region, self.addressing)
 
 
 @dataclass(frozen=True)

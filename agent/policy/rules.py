@@ -15,6 +15,7 @@ from agent.manifest import ManifestError, check_name
 from agent.policy.build import Builder
 from agent.policy.model import SCHEMA_VERSION, Policy
 from agent.redact import redact
+from agent.s3.address import S3AddressError, check_endpoint, is_s3, split_s3
 from shaping.errors import PlanError
 from shaping.plan import build_plan
 
@@ -104,7 +105,24 @@ def _check_sources(p: Policy, b: Builder) -> None:
     seen: dict[str, int] = {}
     for i, s in enumerate(p.sources):
         where = f"sources[{i}]"
-        _check_url(b, s.url, f"{where}.url", b.line_of(f"{where}.url", b.line_of(where)))
+        line = b.line_of(f"{where}.url", b.line_of(where))
+        if is_s3(s.url):
+            try:
+                split_s3(s.url)
+                if s.endpoint is not None:
+                    check_endpoint(s.endpoint)
+            except S3AddressError as e:
+                b.error(b.line_of(f"{where}.endpoint", line) if "endpoint" in str(e) else line,
+                        f"{where}: {e}")
+        else:
+            _check_url(b, s.url, f"{where}.url", line)
+            for key in ("endpoint", "region", "profile"):
+                if getattr(s, key) is not None:
+                    b.error(b.line_of(f"{where}.{key}"), f"{where}.{key} is only for s3:// "
+                                                         "sources")
+            if s.addressing != "auto":
+                b.error(b.line_of(f"{where}.addressing"), f"{where}.addressing is only for "
+                                                          "s3:// sources")
         if s.proxy is not None:
             _check_url(b, s.proxy, f"{where}.proxy", b.line_of(f"{where}.proxy"))
         url = s.url.rstrip("/")
@@ -123,7 +141,7 @@ def _check_url(b: Builder, url: str, where: str, line: int) -> None:
         return
     if parts.scheme not in ("http", "https") or not parts.hostname:
         b.error(line, f"{where} {redact(url)!r} must be an http:// or https:// URL with a host, "
-                      f"e.g. https://weights.example.com/models")
+                      f"e.g. https://weights.example.com/models, or s3://BUCKET/PREFIX")
     elif parts.query or parts.fragment:
         b.error(line, f"{where} {redact(url)!r} must be a base URL without ?query or #fragment")
 

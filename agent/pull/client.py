@@ -28,19 +28,30 @@ import requests
 from agent.policy.model import Source
 from agent.pull import urllib3_adapter as adapter
 from agent.pull.connections import Connections
-from agent.pull.credentials import read_credentials
+from agent.pull.credentials import CredentialsError, read_credentials
 from agent.pull.deadlines import Timeouts, Watch, shut_socket
-from agent.pull.errors import FetchError
-from agent.pull.framing import check_range, content_length, status_error
+from agent.pull.errors import ChangedError, FetchError
+from agent.pull.framing import check_range, content_length, retry_after, status_error
 from agent.pull.goodput import Meter
 from agent.pull.small_body import read_small
 from agent.redact import redact
+from agent.s3.auth import S3AuthError
+from agent.s3.errors import explain
 
 USER_AGENT = "wagent"
+S3_ERROR_BODY = 16 << 10        # an S3 error document is a few hundred bytes
 
 
 def url_for(source: Source, *parts: str) -> str:
-    return source.url.rstrip("/") + "/" + "/".join(quote(p, safe="/") for p in parts)
+    return source.base.rstrip("/") + "/" + "/".join(quote(p, safe="/") for p in parts)
+
+
+def shown(source: Source, url: str) -> str:
+    """``url`` as messages name it: an s3:// source's object as ``s3://BUCKET/KEY``."""
+    base = source.base.rstrip("/")
+    if source.is_s3 and url.startswith(base + "/"):
+        return source.url.rstrip("/") + url[len(base):]
+    return redact(url)
 
 
 class Client:
@@ -69,7 +80,13 @@ class Client:
         s.verify = self.verify
         # Also per request: session-level proxies lose to *_PROXY from the environment.
         self.proxies = {"http": source.proxy, "https": source.proxy} if source.proxy else None
-        if source.credentials:
+        # An s3:// source signs every request (SigV4: agent.s3.auth); its credentials file is
+        # the AWS kind, read there.
+        try:
+            self.s3 = connections.s3.of(source) if source.is_s3 else None
+        except S3AuthError as e:
+            raise CredentialsError(str(e)) from None
+        if source.credentials and self.s3 is None:
             s.headers["Authorization"] = read_credentials(source.credentials)
         self.session = s
 
@@ -97,6 +114,11 @@ class Client:
     def _get(self, url: str, w: Watch, headers: dict[str, str] | None = None
              ) -> requests.Response:
         """The response's headers, in time, or FetchError (``w`` stays watched)."""
+        if self.s3 is not None:
+            try:
+                headers = self.s3.sign("GET", url, headers or {})
+            except S3AuthError as e:        # expiring credentials that could not be renewed
+                raise FetchError(f"{shown(self.source, url)}: {e}") from None
         try:
             with self.connections.requesting(w):
                 r = self.session.get(url, headers=headers, stream=True, **self._per_request())
@@ -115,7 +137,7 @@ class Client:
         try:
             with self._get(url, w) as r:
                 if r.status_code != 200:
-                    raise status_error(r.status_code, r.reason, r.headers, url)
+                    raise self._refused(r, url)
                 self.watchdog.renew(w, self.timeouts.small_body_deadline(
                     min(limit, content_length(r.headers) or limit)), "the body")
                 try:
@@ -150,7 +172,9 @@ class Client:
         """
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
         if etag and not etag.startswith("W/"):
-            headers["If-Range"] = etag
+            # An object store's way is If-Match: a changed object answers 412 (S3 documents
+            # no If-Range for GetObject); HTTP's is If-Range: a changed file answers 200.
+            headers["If-Match" if self.s3 is not None else "If-Range"] = etag
         w = self._watch()
         try:
             r = self._get(url, w, headers)
@@ -160,6 +184,8 @@ class Client:
         # The body's pace is the goodput meter's to judge; the stop event still holds.
         self.watchdog.renew(w, None, "the body")
         try:
+            if self.s3 is not None and r.status_code not in (200, 206):
+                raise self._refused(r, url)
             new_etag = check_range(r.status_code, r.headers, url, offset, size, etag, total,
                                    r.reason)
         except BaseException:
@@ -169,6 +195,25 @@ class Client:
         if meter is not None:
             meter.abort = lambda: _shut_down(r)
         return new_etag, self._body(r, url, size, chunk, meter, w, pause)
+
+    def _refused(self, r: requests.Response, url: str) -> FetchError:
+        """The error a response that is not the one asked for raises: an object store's in the
+        words of its error document (``agent.s3.errors``)."""
+        if self.s3 is None:
+            return status_error(r.status_code, r.reason, r.headers, url)
+        try:
+            # Not decoded: we ask for identity, and a compressed answer would only be a bomb.
+            body = r.raw.read(S3_ERROR_BODY, decode_content=False) or b""
+        except Exception:       # urllib3 raises several unrelated types mid-body
+            body = b""
+        failure = explain(r.status_code, body, r.headers, shown(self.source, url),
+                          retry_after(r.headers))
+        words = failure.words
+        if self.s3.anonymous and r.status_code == 403:
+            words += " (no credentials were found: the request went unsigned)"
+        if failure.code == "PreconditionFailed" or r.status_code == 412:
+            return ChangedError(words, None)
+        return FetchError(words, failure.retry_after)
 
     def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
               w: Watch, pause: Callable[[], bool] | None = None

@@ -24,6 +24,7 @@ from typing import Any
 
 from agent.pull import urllib3_adapter
 from agent.pull.deadlines import Watch, Watchdog
+from agent.s3.auth import S3Auths
 from agent.yielding.sockets import PullSockets
 
 
@@ -35,6 +36,8 @@ class Connections:
         self.watchdog = watchdog if watchdog is not None else Watchdog()
         self._current = threading.local()   # .watch: the request this thread is making, if any
         self._pools = urllib3_adapter.pool_classes(self._handed_out, self.sockets.register)
+        # s3:// sources' credentials, resolved once for all of the owner's streams
+        self.s3 = S3Auths()
 
     def adapter(self) -> urllib3_adapter.PoolsAdapter:
         """A requests adapter for one session: one connection, requests' own retries off (the

@@ -80,6 +80,11 @@ class PullResult:
     path: Path
 
 
+# The longest wait between two asks of a busy source for a manifest or ``latest``: the node's
+# caller (the daemon's poll) asks again later anyway.
+SMALL_RETRY_CAP = 5.0
+
+
 def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
                   ask: Callable[[Client, Source], T], connections: Connections) -> T:
     """``ask`` each source in order and return the first answer; a source that can't be used
@@ -92,7 +97,15 @@ def _first_answer(sources: Sequence[Source], options: PullOptions, what: str,
             errors.append(str(e))
             continue
         try:
-            return ask(client, source)
+            for attempt in range(options.retries + 1):
+                try:
+                    return ask(client, source)
+                except FetchError as e:
+                    # A source that asks to be left alone for a while (503 SlowDown, 429 with
+                    # Retry-After) is a busy one, not a broken one: wait as asked, ask again.
+                    if e.retry_after is None or attempt == options.retries:
+                        raise
+                    time.sleep(min(e.retry_after, SMALL_RETRY_CAP))
         except (FetchError, ManifestError) as e:
             errors.append(str(e))
         finally:

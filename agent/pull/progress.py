@@ -36,10 +36,11 @@ def bar_line(p: PullProgress, columns: int = 100) -> str:
     return text[:room]
 
 
-def file_line(p: PullProgress) -> str:
-    return (f"{p.model}/{p.version}: {p.file} verified ({p.files_done}/{p.files_total} files, "
+def file_line(p: PullProgress, verb: str = "verified") -> str:
+    moved = "fetched" if verb == "verified" else "sent"
+    return (f"{p.model}/{p.version}: {p.file} {verb} ({p.files_done}/{p.files_total} files, "
             f"{format_size(p.bytes_done)}/{format_size(p.bytes_total)}, "
-            f"{format_size(p.bytes_fetched)} fetched)")
+            f"{format_size(p.bytes_fetched)} {moved})")
 
 
 def summary(r: PullResult) -> str:
@@ -50,11 +51,13 @@ def summary(r: PullResult) -> str:
 
 
 class Reporter:
-    """A progress callback for pull_version: a redrawn bar if ``out`` is a TTY, else file lines."""
+    """A progress callback for pull_version (and ``wagent publish``, ``verb`` "uploaded"): a
+    redrawn bar if ``out`` is a TTY, else file lines."""
 
     def __init__(self, out: TextIO | None = None, tty: bool | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, verb: str = "verified") -> None:
         self.out = out or sys.stderr
+        self.verb = verb
         self.tty = self.out.isatty() if tty is None else tty
         self.quiet = quiet
         self._lock = threading.Lock()
@@ -73,7 +76,7 @@ class Reporter:
                     self.out.write("\n")
                     self._drawn = False
             elif p.event == "file":
-                self.out.write(file_line(p) + "\n")
+                self.out.write(file_line(p, self.verb) + "\n")
             self.out.flush()
 
     def _columns(self) -> int:

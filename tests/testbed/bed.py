@@ -267,6 +267,11 @@ class Testbed:
         from tests.testbed.nginx import start_nginx
         return start_nginx(self, host, Path(root), port, limit_rate, **kwargs)
 
+    def s3(self, host: Host, port: int = 8333) -> Any:
+        """SeaweedFS's S3 gateway in `host` (tests/testbed/seaweed.py), once it takes writes."""
+        from tests.testbed.seaweed import start_seaweed
+        return start_seaweed(self, host, port)
+
     def rsyncd(self, host: Host, root: str | Path, port: int = 873) -> Any:
         """An rsync daemon serving `root` read-only as module `data` (url_for() gives the URL)."""
         from tests.testbed.nginx import start_rsyncd

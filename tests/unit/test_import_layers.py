@@ -21,7 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("agent", "shaping")
-SHARED = frozenset({"agent.policy.model", "agent.units", "agent.durable"})
+# agent.s3.address: what an s3:// source's URL means (the policy's Source and shaping's ports
+# read it), pure
+SHARED = frozenset({"agent.policy.model", "agent.units", "agent.durable", "agent.s3.address"})
 # Third-party libraries that live behind one adapter each (DEVELOPERS.md).
 ADAPTERS = {
     "pyroute2": ("shaping.netlink",),
