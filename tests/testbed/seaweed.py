@@ -69,7 +69,7 @@ def start_seaweed(bed: Any, host: Host, port: int = S3_PORT) -> SeaweedS3:
         "name": "wagent", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
     proc = host.popen([weed, "server", f"-dir={d / 'data'}", "-ip=0.0.0.0", "-ip.bind=0.0.0.0",
-                       "-master.volumeSizeLimitMB=1024", "-volume.max=16",
+                       "-master.volumeSizeLimitMB=1024", "-volume.max=100",
                        "-s3", f"-s3.port={port}", f"-s3.config={config}",
                        "-s3.port.iceberg=8181", "-s3.port.lance=8282"],
                       log=f"seaweed-{host.name}")
