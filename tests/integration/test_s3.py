@@ -253,3 +253,39 @@ def _sent(out: str) -> int:
     from agent.units import parse_size
     text = out.strip().splitlines()[-1].split("; ")[1].split(" sent")[0].replace(" ", "")
     return 0 if text == "0B" else parse_size(text)
+
+
+def test_a_cache_node_with_an_s3_origin_serves_its_cluster_with_nginx(s3bed, tmp_path):
+    """Deliverable 4: the cache tier's daemon fills from the bucket; its nginx serves the
+    cluster as before, and a node behind it pulls from the cache, not from the bucket."""
+    origin, cache, link, srv, creds = s3bed
+    v1 = version_dir(tmp_path, "v1")
+    origin.run([WAGENT, "publish", str(v1), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
+               timeout=180)
+    from tests.daemon_helpers import write_policy
+    state = bed_dir(cache, "cache")
+    store = state / "store"
+    (store / "models").mkdir(parents=True)
+    served = origin.bed.nginx(cache, root=store / "models", port=8080)
+    policy = write_policy(state / "policy.yaml", state, sources=[
+        {"url": "http://127.0.0.1:8080", "cache": True},
+        {"url": BUCKET_URL, "endpoint": srv.url_for(link.a), "credentials": str(creds)}],
+        models=[{"name": "m"}], poll_interval="1s", cache_role="cache",
+        roles={"cache": {"hosts": ["cache-*"]}, "training": {"hosts": ["*"]}},
+        waves={"spread": "1s", "gap": "1s", "cache_lead": "0s"})
+    daemon = cache.popen([WAGENT, "run", "--policy", str(policy), "--hostname", "cache-1"],
+                         log="cache-daemon")
+    from tests.unit.test_announce import announced
+    deadline = time.monotonic() + 90
+    while announced(store, "m") != "v1":
+        assert daemon.poll() is None and time.monotonic() < deadline, \
+            Path(daemon.log_path).read_text()[-3000:]  # type: ignore[attr-defined]
+        time.sleep(0.2)
+    gpu = origin.bed.host("gpu")
+    hop = origin.bed.connect(cache, gpu, rate="200mbit")
+    out = bed_dir(gpu, "store")
+    r = json.loads(gpu.run([WAGENT, "pull", f"{served.url_for(hop.a)}/m/latest", "--store",
+                            str(out), "--json"], timeout=180).stdout)
+    assert r["version"] == "v1" and r["bytes_fetched"] == r["bytes_total"], r
+    same_files(out / "models" / "m" / "v1", v1)
+    assert served.bytes_sent("/m/v1/") >= r["bytes_total"]     # from the cache's nginx
