@@ -137,13 +137,21 @@ class S3Destination:
         kept = {}
         for p in listed.get("Parts", []):
             n, etag = int(p["PartNumber"]), p.get("ETag", "")
-            if n in runs and int(p.get("Size", -1)) == runs[n][1]:
-                # S3's part ETag is the MD5 of its bytes (without SSE-KMS): a part whose ETag is
-                # the MD5 of these verified bytes holds them.
-                data = read_verified(path, *runs[n])
-                if etag.strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest():
-                    kept[n] = etag
-        return upload, kept
+            if n not in runs or int(p.get("Size", -1)) != runs[n][1]:
+                break
+            # S3's part ETag is the MD5 of its bytes (without SSE-KMS): a part whose ETag is
+            # the MD5 of these verified bytes holds them.
+            data = read_verified(path, *runs[n])
+            if etag.strip('"') != hashlib.md5(data, usedforsecurity=False).hexdigest():
+                break
+            kept[n] = etag
+        else:
+            return upload, kept
+        # A part that is not this file's: the upload was of other bytes (the file changed
+        # since), and its metadata names their sha256; start again rather than mix them.
+        self._call("AbortMultipartUpload", key, Bucket=self.bucket, Key=self.key(key),
+                   UploadId=upload)
+        return None, {}
 
     def _call(self, op: str, key: str, **kwargs: Any) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError

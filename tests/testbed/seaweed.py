@@ -127,3 +127,32 @@ def s3_call(host: Host, srv: SeaweedS3, op: str, check: bool = True,
 
 def s3_json(host: Host, srv: SeaweedS3, op: str, **kwargs: Any) -> dict[str, Any]:
     return json.loads(s3_call(host, srv, op, **kwargs).stdout)
+
+
+PARTS = """
+import sys, time
+import botocore.session
+from botocore.config import Config
+c = botocore.session.get_session().create_client(
+    "s3", endpoint_url=sys.argv[1], region_name="us-east-1", aws_access_key_id=sys.argv[2],
+    aws_secret_access_key=sys.argv[3], config=Config(s3={"addressing_style": "path"}))
+bucket, want, deadline = sys.argv[4], int(sys.argv[5]), time.monotonic() + float(sys.argv[6])
+while time.monotonic() < deadline:
+    ups = c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    n = sum(len(c.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+                .get("Parts", [])) for u in ups)
+    if n >= want:
+        print(n)
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit(1)
+"""
+
+
+def wait_parts(host: Host, srv: SeaweedS3, bucket: str, want: int, timeout: float) -> int:
+    """Once unfinished multipart uploads in ``bucket`` hold ``want`` parts (one process in the
+    host polling every 50 ms, so the moment is not missed); 0 if they never did."""
+    r = host.run([sys.executable, "-c", PARTS, srv.url_for("127.0.0.1"), ACCESS_KEY,
+                  SECRET_KEY, bucket, str(want), str(timeout)], check=False,
+                 timeout=timeout + 30)
+    return int(r.stdout.strip() or 0) if r.returncode == 0 else 0
