@@ -178,7 +178,10 @@ def test_an_interrupted_publish_resumes_without_sending_again(s3bed, tmp_path):
     modelgen.generate_sized(d, 96 << 20, shards=2)      # two 48 MiB files: 3 parts each
     # From the node, up a 24 Mbit/s link, two parts at a time: a pair every 11 s or so.
     argv = [WAGENT, "publish", str(d), BUCKET_URL, *s3_args(srv, link.a, creds)]
-    p = node.popen([*argv, "--streams", "2"], log="publish-1")
+    # SIGINT as a terminal would send it: a test run in the background of a shell without job
+    # control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    p = node.popen([*argv, "--streams", "2"], log="publish-1",
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     parts = wait_parts(origin, srv, "models", 2, timeout=60)
     assert parts >= 2 and p.poll() is None, "no part went up while the publish ran"
     os.killpg(p.pid, signal.SIGINT)
