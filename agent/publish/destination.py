@@ -49,9 +49,6 @@ class Destination(Protocol):
     def read(self, key: str, limit: int) -> bytes | None:
         """A small object's bytes (a manifest, ``latest``), None when absent."""
 
-    def present(self, key: str) -> Present | None:
-        """What is under ``key``, None when nothing is."""
-
     def put_bytes(self, key: str, data: bytes) -> None:
         """Write ``data`` under ``key`` at once (readers see the old bytes or these)."""
 

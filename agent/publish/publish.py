@@ -112,6 +112,7 @@ class Uploads:
         self.lock = threading.Lock()
         self.sent = 0               # bytes sent now
         self.done = 0               # bytes there: kept or sent, of completed jobs
+        self.kept = 0               # bytes that were there already
         self.files_done = 0
         self.active = 0
         self.samples: list[tuple[float, int]] = []
@@ -122,6 +123,7 @@ class Uploads:
     def add(self, path: str, size: int, jobs: list[Job], complete: Callable[[], None]) -> None:
         kept = size - sum(j.size for j in jobs)
         self.done += kept
+        self.kept += kept
         if not jobs:
             complete()
             self.files_done += 1
@@ -188,7 +190,7 @@ class Uploads:
             rate = (self.sent - b0) / (now - t0) if now > t0 else 0.0
             p = PullProgress(self.m.model, self.m.version, event, self.m.size,
                              self.done if event != "done" else self.m.size, self.sent,
-                             self.m.size - sum(j.size for _, j in self.work), rate,
+                             self.kept, rate,
                              self.active, self.files_done, len(self.m.files),
                              now - self.started, file)
         self.progress(p)

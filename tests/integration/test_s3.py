@@ -55,6 +55,12 @@ def s3_args(srv, at, creds: Path) -> list[str]:
     return ["--endpoint-url", srv.url_for(at), "--credentials", str(creds)]
 
 
+def publish_on(origin, srv, creds: Path, d: Path) -> None:
+    """``wagent publish`` of ``d`` from the origin host itself (the gateway on loopback)."""
+    origin.run([WAGENT, "publish", str(d), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
+               timeout=180)
+
+
 def pull(node, srv, link, creds, url: str, store: Path, check: bool = True, *extra: str):
     return node.run([WAGENT, "pull", url, "--store", str(store), "--json",
                      *s3_args(srv, link.a, creds), *extra], check=check, timeout=180)
@@ -77,8 +83,7 @@ def test_publish_pull_delta_republish_and_a_corrupt_object(s3bed, tmp_path):
     v2 = tmp_path / "src" / "m" / "v2"
     modelgen.next_version(v1, v2, change_layers=[1])
     (v2 / "manifest.json").unlink(missing_ok=True)
-    origin.run([WAGENT, "publish", str(v2), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
-               timeout=180)
+    publish_on(origin, srv, creds, v2)
     r2 = json.loads(pull(node, srv, link, creds, f"{BUCKET_URL}/m/latest", store).stdout)
     assert r2["version"] == "v2" and 0 < r2["bytes_fetched"] < r2["bytes_total"] / 2, r2
     same_files(store / "models" / "m" / "v2", v2)
@@ -110,8 +115,7 @@ def test_publish_pull_delta_republish_and_a_corrupt_object(s3bed, tmp_path):
 def test_errors_in_words_and_throttling_backed_off(s3bed, tmp_path):
     origin, node, link, srv, creds = s3bed
     v1 = version_dir(tmp_path, "v1")
-    origin.run([WAGENT, "publish", str(v1), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
-               timeout=180)
+    publish_on(origin, srv, creds, v1)
     store = bed_dir(node, "store")
 
     def refused(url: str, *, creds_file: Path = creds, endpoint: str | None = None,
@@ -201,8 +205,7 @@ def test_an_interrupted_publish_resumes_without_sending_again(s3bed, tmp_path):
 def test_a_daemon_following_latest_on_s3_pulls_the_next_version(s3bed, tmp_path):
     origin, node, link, srv, creds = s3bed
     v1 = version_dir(tmp_path, "v1")
-    origin.run([WAGENT, "publish", str(v1), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
-               timeout=180)
+    publish_on(origin, srv, creds, v1)
     from tests.daemon_helpers import write_policy
     state = bed_dir(node, "daemon")
     policy = write_policy(state / "policy.yaml", state, sources=[{
@@ -226,8 +229,7 @@ def test_a_daemon_following_latest_on_s3_pulls_the_next_version(s3bed, tmp_path)
     v2 = tmp_path / "src" / "m" / "v2"
     modelgen.next_version(v1, v2, change_layers=[2])
     (v2 / "manifest.json").unlink(missing_ok=True)
-    origin.run([WAGENT, "publish", str(v2), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
-               timeout=180)
+    publish_on(origin, srv, creds, v2)
     wait_current("v2")
     same_files(state / "store" / "models" / "m" / "v2", v2)
     st = node.run([WAGENT, "status", "--json", "--socket", str(state / "control.sock")],
@@ -257,8 +259,7 @@ def test_a_cache_node_with_an_s3_origin_serves_its_cluster_with_nginx(s3bed, tmp
     cluster as before, and a node behind it pulls from the cache, not from the bucket."""
     origin, cache, link, srv, creds = s3bed
     v1 = version_dir(tmp_path, "v1")
-    origin.run([WAGENT, "publish", str(v1), BUCKET_URL, "-q", *s3_args(srv, "127.0.0.1", creds)],
-               timeout=180)
+    publish_on(origin, srv, creds, v1)
     from tests.daemon_helpers import write_policy
     state = bed_dir(cache, "cache")
     store = state / "store"

@@ -144,6 +144,14 @@ class Host:
         self.run(["ip", "-6" if ":" in dst else "-4", "route", "replace", dst, "via", via])
 
 
+def netloc(target: Endpoint | Host | str, port: int) -> str:
+    """``IP:PORT`` of a server at an endpoint, a host's first address or an IP ([v6]:PORT)."""
+    if isinstance(target, Host):
+        target = target.ip4
+    ip = target.ip4 if isinstance(target, Endpoint) else target
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def stop_process(proc: subprocess.Popen, grace: float = 3.0) -> None:
     """SIGTERM the process group, SIGKILL it after `grace` seconds, reap the leader."""
     stop_processes([proc], grace)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.testbed.hosts import Endpoint, Host, stop_process, wait_listening
+from tests.testbed.hosts import Endpoint, Host, netloc, stop_process, wait_listening
 
 # One JSON object per request, so the log parses without guessing at quoting.
 LOG_FORMAT = ('{"uri":"$request_uri","status":$status,"bytes":$body_bytes_sent,'
@@ -70,10 +70,7 @@ class Nginx:
 
     def url_for(self, target: Endpoint | Host | str) -> str:
         """Base URL to reach this server at an endpoint, a host's first address, or an IP."""
-        if isinstance(target, Host):
-            target = target.ip4
-        ip = target.ip4 if isinstance(target, Endpoint) else target
-        return f"http://[{ip}]:{self.port}" if ":" in ip else f"http://{ip}:{self.port}"
+        return f"http://{netloc(target, self.port)}"
 
     def requests(self) -> list[dict[str, Any]]:
         """Parsed access-log records: uri, status, bytes, range, remote, msec, request_time."""
@@ -134,11 +131,7 @@ class Rsyncd:
 
     def url_for(self, target: Endpoint | Host | str) -> str:
         """rsync://IP:PORT/data; append a path inside `root`."""
-        if isinstance(target, Host):
-            target = target.ip4
-        ip = target.ip4 if isinstance(target, Endpoint) else target
-        return f"rsync://[{ip}]:{self.port}/data" if ":" in ip else \
-            f"rsync://{ip}:{self.port}/data"
+        return f"rsync://{netloc(target, self.port)}/data"
 
 
 def start_rsyncd(bed: Any, host: Host, root: Path, port: int = 873) -> Rsyncd:

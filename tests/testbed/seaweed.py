@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.testbed.hosts import Endpoint, Host, stop_process, wait_listening
+from tests.testbed.hosts import Endpoint, Host, netloc, stop_process, wait_listening
 
 ACCESS_KEY = "AKIAWAGENTTESTKEY01"
 SECRET_KEY = "wagent-test-secret-do-not-use-0001"
@@ -42,10 +42,7 @@ class SeaweedS3:
     proc: subprocess.Popen
 
     def url_for(self, target: Endpoint | Host | str) -> str:
-        if isinstance(target, Host):
-            target = target.ip4
-        ip = target.ip4 if isinstance(target, Endpoint) else target
-        return f"http://{ip}:{self.port}"
+        return f"http://{netloc(target, self.port)}"
 
     def credentials_file(self, path: Path, secret: str = SECRET_KEY) -> Path:
         """An AWS shared credentials file for this server's identity, mode 0600."""
