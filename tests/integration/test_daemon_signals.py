@@ -27,6 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import faulthandler, os, signal, sys, time
 faulthandler.register(signal.SIGUSR1)
+
+def say(line):
+    # One write(2) per line: the SIGHUP handler writes between any two bytecodes, and print's
+    # separate writes of the text and its newline let "TICK" + "HUP\n" + "\n" reach the pipe.
+    os.write(1, (line + "\n").encode())
+
 from agent.daemon import Daemon
 from agent.notify import Notifier
 from agent.policy.model import Policy
@@ -36,29 +42,29 @@ class App:
         daemons = signal.getsignal(signal.SIGHUP)
         def handled(signum, frame):
             daemons(signum, frame)
-            os.write(1, b"HUP\n")
+            say("HUP")
         signal.signal(signal.SIGHUP, handled)
-        print("STARTING", flush=True)
+        say("STARTING")
         sys.stdin.readline()             # applying shaping, until the test says go
         return {}
     def stop(self, parts, budget):
-        print(f"STOP budget={budget:.2f}", flush=True)
+        say(f"STOP budget={budget:.2f}")
         time.sleep(budget)               # workers that take every second they are given
     def load(self):
         return Policy(path="/p.yaml", sha256="b" * 64)
     def reconcile(self, parts, new):
-        print("RECONCILE", flush=True)
+        say("RECONCILE")
         sys.stdin.readline()
         return parts
     def workers(self, parts): return {}
     def error_counts(self, parts): return {}
     def supervise(self, parts): pass
     def tick_summary(self, parts, base):
-        print("TICK", flush=True)
+        say("TICK")
         return base
     def export_metrics(self, parts, state): pass
 
-d = Daemon(App(), Notifier(lambda m: print(m.replace("\n", " "), flush=True)))
+d = Daemon(App(), Notifier(lambda m: say(m.replace("\n", " "))))
 sys.exit(d.run(Policy(path="/p.yaml", sha256="a" * 64)))
 """
 
