@@ -155,7 +155,8 @@ class Client:
 
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
                total: int | None = None, meter: Meter | None = None,
-               pause: Callable[[], bool] | None = None
+               pause: Callable[[], bool] | None = None,
+               arrived: Callable[[int], None] | None = None
                ) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
 
@@ -169,6 +170,9 @@ class Client:
 
         ``pause``: asked between two receives into a chunk; True: hand over what came so far
         (the fast path's cut is on: ``TokenBucket.paused``, and the bucket holds the reader).
+
+        ``arrived``: told the bytes of each receive as it lands (the stream count measures
+        goodput by it: a chunk's bytes all at once would be a megabyte's grain).
         """
         headers = {"Range": f"bytes={offset}-{offset + size - 1}"}
         if etag and not etag.startswith("W/"):
@@ -194,7 +198,7 @@ class Client:
             raise
         if meter is not None:
             meter.abort = lambda: _shut_down(r)
-        return new_etag, self._body(r, url, size, chunk, meter, w, pause)
+        return new_etag, self._body(r, url, size, chunk, meter, w, pause, arrived)
 
     def _refused(self, r: requests.Response, url: str) -> FetchError:
         """The error a response that is not the one asked for raises: an object store's in the
@@ -216,7 +220,8 @@ class Client:
         return FetchError(words, failure.retry_after)
 
     def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
-              w: Watch, pause: Callable[[], bool] | None = None
+              w: Watch, pause: Callable[[], bool] | None = None,
+              arrived: Callable[[int], None] | None = None
               ) -> Generator[memoryview, None, None]:
         """The body in chunks, each a view of one buffer reused for the next (use it at once).
 
@@ -226,10 +231,10 @@ class Client:
         ``pause()`` says so: a reader the fast path holds has taken at most one receive past the
         cut (a full chunk read would go on for a megabyte: 8 readers carried on through the
         first 150 ms of a 200 ms burst), while the work per chunk (hashing, writing, booking)
-        stays once per chunk.
+        stays once per chunk. With ``arrived``, so too, each receive told as it lands.
         """
         readinto = adapter.readinto_of(r.raw)
-        one = adapter.readinto1_of(r.raw) if pause is not None else None
+        one = adapter.readinto1_of(r.raw) if pause is not None or arrived is not None else None
         buf = memoryview(bytearray(min(chunk, size)))
         complete = False
         try:
@@ -239,8 +244,8 @@ class Client:
                 if meter is not None:
                     meter.begin(want)
                 try:
-                    if one is not None and pause is not None:
-                        n = _fill(one, buf, want, pause)
+                    if one is not None:
+                        n = _fill(one, buf, want, pause, arrived)
                     elif readinto is not None:
                         n = readinto(buf[:want])
                     else:
@@ -298,12 +303,18 @@ def _failure(w: Watch, e: BaseException) -> str:
 
 
 def _fill(readinto1: Callable[[memoryview], int], buf: memoryview, want: int,
-          pause: Callable[[], bool]) -> int:
-    """Receives into ``buf[:want]`` until it is full, the body ends, or ``pause()``."""
-    n = readinto1(buf[:want])
-    while n and n < want and not pause():
+          pause: Callable[[], bool] | None,
+          arrived: Callable[[int], None] | None = None) -> int:
+    """Receives into ``buf[:want]`` until it is full, the body ends, or ``pause()``; each
+    receive's bytes told to ``arrived``."""
+    n = 0
+    while n < want:
         got = readinto1(buf[n:want])
         if not got:
             break
         n += got
+        if arrived is not None:
+            arrived(got)
+        if pause is not None and pause():
+            break
     return n

@@ -10,13 +10,17 @@ cap per connection; one or two fill a path with no such cap. Neither number can 
 ahead.
 
 The rule, judged on windows of goodput that begin ``SETTLE`` s after a change, each
-``WINDOW`` s and ``GRAINS`` reads long (at most ``LONGEST`` s), and go on while each is more than
-``RISING`` above the one before (new connections on a long round trip are still in slow start),
-at most ``WINDOWS`` of them:
+``WINDOW`` s (``RAMP_WINDOW`` while ramping: a step of the ramp looks for a third more or
+nothing, a probe for a few percent) and ``GRAINS`` receives long (at most ``LONGEST`` s), and
+go on while each is more than ``RISING`` above the one before (new connections on a long round
+trip are still in slow start), at most ``WINDOWS`` of them:
 
-- start with ``START`` streams (the maximum if lower), then one more, then double while each
-  added stream carries at least ``LINEAR`` of what an average one carried before: below the
-  path's limit every stream adds its own rate, so the ramp to 24 takes four judgements;
+- start with ``START`` streams (the maximum if lower), then one more, then ``GROW`` times as
+  many while each added stream carries at least ``LINEAR`` of what an average one carried
+  before: below the path's limit every stream adds its own rate. The ramp is a search for
+  link / per-connection rate, which nothing tells ahead; a large factor spends fewer
+  judgements at counts that leave most of the link idle (2 > 3 > 12 > 48), and the step past
+  the limit says where the limit is (next rule), so the overshoot costs one judgement;
 - an added step that grew the aggregate by less than ``MIN_GROWTH`` (a window's noise) is
   given back, and the count settles;
 - one that grew it, but less than in proportion, crossed the path's limit: the limit is near
@@ -24,10 +28,10 @@ at most ``WINDOWS`` of them:
   count where the added streams would have carried an average share each. That count is
   tried, and kept if goodput stays within ``KEEP`` of the larger count's; from a step that
   tried nothing smaller, the count grows on by a quarter;
-- *settled*: every ``REPROBE`` s, or at once when goodput moved by more than ``MOVED`` (a cap
-  lifted, a source dropped), probe: alternately a quarter more (kept if it grew the aggregate
-  by ``MIN_GROWTH``, then growing on by quarters) and a quarter fewer (kept if goodput stays
-  within ``KEEP``);
+- *settled*: every ``REPROBE`` s probe, alternately a quarter more (kept if it grew the
+  aggregate by ``MIN_GROWTH``, then growing on by quarters) and a quarter fewer (kept if
+  goodput stays within ``KEEP``); when goodput moved by more than ``MOVED`` (a cap appeared or
+  lifted, a source dropped), at once: twice as many, then growing as a pull does;
 - *held*: when the token bucket held the streams in a window (``pulls.rate``, the backoff), the
   link is not what limits the pull: one stream fewer per window, kept while goodput stays
   within ``KEEP``, and no probing up while it holds.
@@ -56,14 +60,17 @@ from dataclasses import dataclass
 from agent.units import format_size
 
 START = 2            # streams a pull starts with
-SETTLE = 0.25        # s after a change before goodput is measured
+SETTLE = 0.15        # s after a change before goodput is measured (new connections on a
+                     # long round trip are still ramping then: RISING waits for them)
 WINDOW = 0.5         # s of goodput in one window, at least...
-GRAINS = 16          # ...and this many of the pull's reads (``grain``): bytes are counted a
-                     # read at a time, so a shorter window is off by a read's share
+RAMP_WINDOW = 0.15   # ...while the ramp grows by GROW (its judgements see large effects)
+GRAINS = 16          # ...and this many of the pull's receives (``grain``): bytes are counted a
+                     # receive at a time, so a shorter window is off by a receive's share
 LONGEST = 3.0        # s a window lasts at most, however few reads it took
 RISING = 0.05        # a window this much above the one before: still ramping, measure again
 WINDOWS = 4          # windows at most before a judgement
-LINEAR = 0.75        # added streams carrying this share of an average one: keep doubling
+GROW = 4             # the count's factor per step while every added stream carries its share
+LINEAR = 0.75        # added streams carrying this share of an average one: keep growing
 MIN_GROWTH = 0.03    # an added step must grow the aggregate by this share (a window's noise)
 KEEP = 0.95          # fewer streams are kept if goodput stays within this share
 MOVED = 0.25         # settled goodput moving by this share: the path changed, probe again
@@ -87,7 +94,7 @@ class StreamCount:
         self.count = min(self.most, max(1, start))
         self.reason = f"starting with {self.count}"
         self._probe: _Probe | None = _Probe(0, 0.0, True)   # growing from nothing
-        self._fine = False                                  # growing by quarters, not doubling
+        self._fine = False                                  # growing by quarters, not by GROW
         self._changed_at: float | None = None
         self._mark: tuple[float, float] | None = None       # (time, bytes) the window began
         self._windows: list[float] = []                     # goodput of this count's windows
@@ -112,7 +119,8 @@ class StreamCount:
         self._held = self._held or held
         start, before = self._mark
         took = now - start
-        if took < WINDOW or (received - before < GRAINS * self.grain and took < LONGEST):
+        window = RAMP_WINDOW if self._ramping else WINDOW
+        if took < window or (received - before < GRAINS * self.grain and took < LONGEST):
             return self.count
         goodput = (received - before) / took
         self._mark = (now, received)
@@ -123,6 +131,13 @@ class StreamCount:
         held, self._held = self._held, False
         self._judge(now, goodput, held)
         return self.count
+
+    @property
+    def _ramping(self) -> bool:
+        """Growing by ``GROW`` (or from nothing): the next judgement tells a stream's share
+        from none, not a few percent."""
+        p = self._probe
+        return p is not None and p.up and not self._fine
 
     def _change(self, now: float, count: int, reason: str) -> None:
         self.count = max(1, min(self.most, count))
@@ -174,7 +189,7 @@ class StreamCount:
             if self._fine:
                 more = max(1, self.count // 4)
             else:
-                more = 1 if self.count < 3 else self.count
+                more = 1 if self.count < 3 else (GROW - 1) * self.count
             self._probe = _Probe(self.count, goodput, True)
             self._change(now, self.count + more,
                          f"growing: {grew}" if grew else f"growing from {self.count}")
@@ -183,6 +198,13 @@ class StreamCount:
         settled, since = self._settled
         moved = settled > 0 and abs(goodput - settled) > MOVED * settled
         if not moved and now - since < REPROBE:
+            return
+        if moved and self.count < self.most:
+            # Another path (a cap per connection appeared or lifted, a source dropped): ramp
+            # again, twice as many and then by GROW, rather than a quarter at a time.
+            self._probe = _Probe(self.count, goodput, True)
+            self._change(now, self.count * 2, f"goodput moved ({_rate(settled)} -> "
+                         f"{_rate(goodput)}): growing from {self.count}")
             return
         step = max(1, self.count // 4)
         why = "goodput moved" if moved else "probing"

@@ -46,7 +46,7 @@ from agent.pull.connections import Connections
 from agent.pull.credentials import CredentialsError
 from agent.pull.demand import Demand
 from agent.pull.errors import ChangedError, FetchError, NoRangesError
-from agent.pull.goodput import Meter
+from agent.pull.goodput import Arrivals, Meter
 from agent.pull.options import PullOptions
 from agent.pull.plan import Copy, RangeRequest, take_piece
 from agent.pull.stream_count import StreamCount
@@ -63,6 +63,11 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_CAP = 120.0
 # The longest the other streams stop reading, at a time, while a reader's piece is fetched.
 URGENT_HOLD = 1.0
+# What one receive typically brings (a few segments at a capped stream's pace, up to a 64 KiB
+# GRO aggregate): the grain the stream count measures goodput in.
+RECEIVE_GRAIN = 64 * 1024
+# How often the stream count is given the bytes so far: its windows are a quarter second.
+CHOOSE_EVERY = 0.05
 
 
 class PullError(Exception):
@@ -153,8 +158,12 @@ class Transfer:
         # How many streams run (under cond): all of ``streams``, or as many as measuring what
         # each adds says (``agent.pull.stream_count``); a stream numbered at or past it ends
         # after its request, and one is started for each number under it not running.
-        self.chooser = StreamCount(options.streams, grain=options.chunk) if options.adaptive \
+        # Judged on the bytes each receive brings (``arrivals``), not on whole chunks: a chunk
+        # is a megabyte, seconds of one capped stream, and a window of them is off by one.
+        self.chooser = StreamCount(options.streams, grain=RECEIVE_GRAIN) if options.adaptive \
             else None
+        self.arrivals = Arrivals()
+        self._local = threading.local()   # .arrived: this stream's counter in ``arrivals``
         self.target = self.chooser.count if self.chooser is not None else options.streams
         self.streams_why = self.chooser.reason if self.chooser is not None else \
             f"{options.streams} (fixed: pulls.adaptive_streams is off)"
@@ -241,6 +250,8 @@ class Transfer:
         step = interval
         if self.s.floor.enabled:
             step = min(interval, max(0.05, self.s.floor.average_over / 5))
+        if self.chooser is not None:
+            step = min(step, CHOOSE_EVERY)
         per_tick = max(1, round(interval / step))
         try:
             rounds = 0
@@ -276,7 +287,7 @@ class Transfer:
             return []
         held = self.bucket is not None and self.bucket.waiting > 0
         with self.cond:
-            received = self.fetched
+            received = self.arrivals.total
             if self.error is not None or self.stop.is_set() or not (self.queue or self.active):
                 return []
             # Near the end fewer requests are left than streams: what they carry then says
@@ -411,6 +422,8 @@ class Transfer:
     def _stream(self, index: int, urgent_only: bool = False) -> None:
         clients: dict[int, Client] = {}
         preferred = 0
+        if self.chooser is not None:
+            self._local.arrived = self.arrivals.adder()
         try:
             while (req := self._next(index, urgent_only)) is not None:
                 try:
@@ -509,17 +522,18 @@ class Transfer:
         etag = f.partial.etags.get(key) if trusted else None
         meter = Meter(self.s.floor, self.clock, key, f"{f.path} bytes {offset}+{size}") \
             if self.s.floor.enabled else None
+        arrived = getattr(self._local, "arrived", None)
         try:
             pause = self.bucket.paused if self.bucket is not None else None
             new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size,
-                                           meter=meter, pause=pause)
+                                           meter=meter, pause=pause, arrived=arrived)
         except ChangedError as e:
             # Not the ETag recorded for the file: it changed, or the source is backends with
             # an ETag each for the same bytes. The pieces' sha256 tell which, so this costs no
             # verified piece: the request goes again, without If-Range.
             self._ignore_etags(si, f"{f.path}: ETag {etag} -> {e.etag}")
             new_etag, body = client.ranged(url, offset, size, None, chunk, total=f.size,
-                                           meter=meter, pause=pause)
+                                           meter=meter, pause=pause, arrived=arrived)
         if new_etag and not etag and trusted:
             # Another stream may have recorded the file's ETag since this request left.
             known = f.partial.record_etag(key, new_etag)

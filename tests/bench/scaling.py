@@ -33,17 +33,23 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def per_flow_classes(ifname: str, rate: int) -> str:
-    """tc batch: under HTB class 1:1 (the link), one class at ``rate`` per low byte of the TCP
-    destination port (the node's port), chosen by a 256-bucket u32 hash table."""
+def per_flow_classes(ifname: str, rate: int, link: int) -> str:
+    """tc batch: under HTB class 1:1 (the link, ``link`` bits/s), one class capped at ``rate``
+    per low byte of the TCP destination port (the node's port), chosen by a 256-bucket u32
+    hash table.
+
+    Each class is assured only ``link / 256`` and borrows the rest up to its ceil, ``rate``,
+    from the link's class: HTB gives a class its assured rate whatever its parent has left, so
+    classes assured ``rate`` each would carry N x ``rate`` past the link (12 streams behind a
+    40 MB/s link carried 55 MB/s) and no stream count would ever fill it."""
     lines = [f"qdisc del dev {ifname} parent 1:1 handle 10:",
              f"filter add dev {ifname} parent 1: prio 1 handle 2: protocol ip u32 divisor 256",
              f"filter add dev {ifname} parent 1: prio 1 protocol ip u32 ht 800:: match ip "
              "protocol 6 0xff hashkey mask 0x000000ff at 20 link 2:"]
     for i in range(256):
         cls = f"1:{0x100 + i:x}"
-        lines.append(f"class add dev {ifname} parent 1:1 classid {cls} htb rate {rate}bit "
-                     f"ceil {rate}bit")
+        lines.append(f"class add dev {ifname} parent 1:1 classid {cls} htb "
+                     f"rate {max(8, link // 256)}bit ceil {rate}bit quantum 60000")
         lines.append(f"filter add dev {ifname} parent 1: prio 1 protocol ip u32 ht 2:{i:x}: "
                      f"match ip protocol 6 0xff flowid {cls}")
     return "\n".join(lines) + "\n"
@@ -55,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="64MiB", help="model size")
     ap.add_argument("--piece-size", default="1MiB", help="publisher's piece size")
     ap.add_argument("--shards", type=int, default=16)
-    ap.add_argument("--cap", choices=("flow", "nginx"), default="flow")
+    ap.add_argument("--cap", choices=("flow", "nginx", "none"), default="flow")
+    ap.add_argument("--server", choices=("nginx", "python"), default="nginx",
+                    help="python: a threaded http.server sending with small sendall chunks "
+                    "(tests/testbed/threaded_origin.py), the team's origin; use with --cap none")
+    ap.add_argument("--sendall", type=int, default=8192, help="--server python's chunk")
     ap.add_argument("--quick", action="store_true", help="32MiB, for a smoke run")
     ap.add_argument("--counts", default="1,2,4,8", help="fixed stream counts, comma-separated")
     ap.add_argument("--adaptive", type=int, default=0, metavar="MOST",
@@ -89,10 +99,19 @@ def main(argv: list[str] | None = None) -> int:
             link = tb.connect(origin, node, rate=int(per_conn * args.link_x))
             if args.cap == "flow":
                 node.sysctl(**{"net.ipv4.ip_local_port_range": "40000 40255"})
-                origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, per_conn))
-            srv = tb.nginx(origin, root=shm / "origin", port=8080,
-                           limit_rate=per_conn // 8 if args.cap == "nginx" else None)
-            url = f"{srv.url_for(link.a)}/m/v1"
+                origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, per_conn,
+                                                                  link.rate))
+            if args.server == "python":
+                from tests.testbed.hosts import wait_listening
+                py = origin.popen([sys.executable, "-m", "tests.testbed.threaded_origin",
+                                   str(shm / "origin"), "8080", str(args.sendall)],
+                                  cwd=str(ROOT), log="threaded-origin")
+                wait_listening(py, origin.ns, 8080, "the threaded origin")
+                url = f"http://{link.a.ip4}:8080/m/v1"
+            else:
+                srv = tb.nginx(origin, root=shm / "origin", port=8080,
+                               limit_rate=per_conn // 8 if args.cap == "nginx" else None)
+                url = f"{srv.url_for(link.a)}/m/v1"
 
             def wagent(streams: int, where: Path, label: str, adaptive: bool = False) -> None:
                 store = where / f"store-{streams}-{time.monotonic_ns()}"
@@ -129,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(disk, ignore_errors=True)
     one = rows[0][2]
     aria = next(r[2] for r in rows if r[0].startswith("aria2c"))
+    server = f"threaded Python, {args.sendall}-byte sendall" if args.server == "python" \
+        else "nginx"
     print(f"Scaling: {format_size(total)} in {len(files)} files, {per_conn / 8e6:.1f} MB/s per "
-          f"connection ({args.cap}), link {per_conn * args.link_x / 1e6:.0f} Mbit/s")
+          f"connection ({args.cap}), link {per_conn * args.link_x / 1e6:.0f} Mbit/s, origin "
+          f"{server}")
     print(f"{'client':30} {'seconds':>8} {'MB/s':>8} {'x row 1':>10} {'x aria2c':>9}")
     for label, secs, bps in rows:
         print(f"{label:30} {secs:8.2f} {bps / 1e6:8.2f} {bps / one:10.2f} {bps / aria:9.2f}")

@@ -25,7 +25,7 @@ def _origin(testbed, size: int, capped: bool):
     link = testbed.connect(origin, node, rate=LINK)
     if capped:
         node.sysctl(**{"net.ipv4.ip_local_port_range": "40000 40255"})
-        origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, PER_CONN))
+        origin.run(["tc", "-batch", "-"], input=per_flow_classes(link.a.ifname, PER_CONN, LINK))
     srv = testbed.nginx(origin, root=d, port=8080)
     return node, f"{srv.url_for(link.a)}/m/v1", size
 

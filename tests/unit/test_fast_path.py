@@ -196,3 +196,19 @@ def test_a_chunk_is_filled_receive_by_receive_and_handed_over_at_a_pause():
     assert bytes(buf[:25]) == b"a" * 10 + b"b" * 10 + b"c" * 5
     assert _fill(one, buf, 100, lambda: True) == 10             # paused: the one receive only
     assert _fill(one, buf, 100, lambda: False) == 0             # the body ended
+
+
+def test_each_receive_is_told_as_it_lands():
+    """The stream count's grain (``arrived``): a receive's bytes, not a whole chunk's."""
+    from agent.pull.client import _fill
+
+    received = [b"a" * 7, b"b" * 10, b"c" * 10]
+
+    def one(view: memoryview) -> int:
+        data = received.pop(0)[:len(view)] if received else b""
+        view[:len(data)] = data
+        return len(data)
+
+    told: list[int] = []
+    assert _fill(one, memoryview(bytearray(20)), 20, None, told.append) == 20
+    assert told == [7, 10, 3]
