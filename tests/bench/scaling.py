@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +56,19 @@ def per_flow_classes(ifname: str, rate: int, link: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def medians(rows: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """One row per label, in first-seen order: its median seconds and rate.
+
+    >>> medians([("a", 1.0, 3.0), ("b", 2.0, 1.0), ("a", 3.0, 1.0), ("a", 2.0, 2.0)])
+    [('a', 2.0, 2.0), ('b', 2.0, 1.0)]
+    """
+    by: dict[str, list[tuple[float, float]]] = {}
+    for label, secs, bps in rows:
+        by.setdefault(label, []).append((secs, bps))
+    return [(label, statistics.median(s for s, _ in v), statistics.median(b for _, b in v))
+            for label, v in by.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rate", default="5MB/s", help="per-connection limit R (nginx limit_rate)")
@@ -75,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the link as a multiple of R: the best fixed count is about this")
     ap.add_argument("--aria2-j", type=int, default=8, help="aria2c's -j (files at once)")
     ap.add_argument("--no-aria2", action="store_true", help="skip aria2c and the disk row")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the wagent rows this many times, interleaved; each row's median "
+                    "(a noisy origin, such as --server python, needs a few)")
     args = ap.parse_args(argv)
 
     from agent.units import format_size, parse_rate, parse_size
@@ -85,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     per_conn = parse_rate(args.rate)                 # bits/s
     size = parse_size("32MiB" if args.quick else args.size)
     rows: list[tuple[str, float, float]] = []
+    chosen: list[str] = []                           # the adaptive rows' counts, run by run
     shm = Path(tempfile.mkdtemp(prefix="wagent-bench-scaling-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="wagent-bench-scaling-", dir="/var/tmp"))
     try:
@@ -118,15 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                 r = pull_in(node, url, store, streams, adaptive=adaptive)
                 assert r["fetched"] == r["total"] == total, r
                 if adaptive:
-                    label += f": {'>'.join(map(str, r['streams']))}"
+                    chosen.append(">".join(map(str, r["streams"])))
                 rows.append((label, r["seconds"], total / r["seconds"]))
                 shutil.rmtree(store)
 
-            for n in (int(x) for x in args.counts.split(",")):
-                wagent(n, shm, f"wagent --streams {n} (tmpfs)")
-            if args.adaptive:
-                wagent(args.adaptive, shm, f"wagent --adaptive (most {args.adaptive})",
-                       adaptive=True)
+            for _ in range(args.rounds):
+                for n in (int(x) for x in args.counts.split(",")):
+                    wagent(n, shm, f"wagent --streams {n} (tmpfs)")
+                if args.adaptive:
+                    wagent(args.adaptive, shm, f"wagent --adaptive (most {args.adaptive})",
+                           adaptive=True)
             if args.no_aria2:
                 rows.append((f"aria2c -j{args.aria2_j} -x1 (not run)", 1.0, float("nan")))
             else:
@@ -146,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+    runs = len(rows)
+    rows = medians(rows)
     one = rows[0][2]
     aria = next(r[2] for r in rows if r[0].startswith("aria2c"))
     server = f"threaded Python, {args.sendall}-byte sendall" if args.server == "python" \
@@ -156,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'client':30} {'seconds':>8} {'MB/s':>8} {'x row 1':>10} {'x aria2c':>9}")
     for label, secs, bps in rows:
         print(f"{label:30} {secs:8.2f} {bps / 1e6:8.2f} {bps / one:10.2f} {bps / aria:9.2f}")
+    if chosen:
+        print(f"adaptive counts, run by run: {', '.join(chosen)}")
+    if args.rounds > 1:
+        print(f"(medians of {args.rounds} rounds, {runs} pulls)")
     by = {label: bps for label, _, bps in rows}
     if "wagent --streams 1 (tmpfs)" in by and "wagent --streams 8 (tmpfs)" in by:
         eight = by["wagent --streams 8 (tmpfs)"]
