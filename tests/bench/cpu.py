@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         with LoopbackNginx(work / "origin") as ng:
             for run in range(args.runs):
                 for label, extra in (("wagent pull (pieces verified)", []),
-                                     ("wagent pull --verify-files", ["--verify-files"])):
+                                     ("wagent pull --verify-files", ["--verify-files"]),
+                                     # a receive at a time, each told to the stream count
+                                     ("wagent pull --adaptive", ["--adaptive"])):
                     store = work / f"store{run}"
                     cpu, wall = child_cpu([
                         sys.executable, "-m", "agent", "pull", f"{ng.url}/m/v1", "--store",

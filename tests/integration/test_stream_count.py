@@ -12,7 +12,7 @@ from tests.pull_helpers import publish_dir, pull_in
 
 pytestmark = pytest.mark.netns
 
-PER_CONN = 40_000_000            # bits/s: 5 MB/s per connection (a window is 16 reads)
+PER_CONN = 40_000_000            # bits/s: 5 MB/s per connection
 LINK = 10 * PER_CONN             # ten connections fill the link
 
 
