@@ -46,9 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", required=True, metavar="DIR", help="the store directory")
     p.add_argument("--streams", type=int, metavar="N", help="parallel streams (default 8); "
                    "with --adaptive, the most")
-    p.add_argument("--adaptive", action="store_true", default=None,
-                   help="choose how many streams by measuring what each adds, up to --streams "
-                   "(default: the policy's pulls.adaptive_streams, off)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose how many streams by measuring what each adds, up to --streams; "
+                   "--no-adaptive: always --streams (default: the policy's "
+                   "pulls.adaptive_streams, off)")
     p.add_argument("--rate", metavar="RATE", help="cap, e.g. 300mbit or 50MB/s (default: none)")
     p.add_argument("--mirror", action="append", default=[], metavar="URL",
                    help="another source base URL, tried per piece after the first (repeatable)")
@@ -137,8 +138,8 @@ def run_pull(args: argparse.Namespace, bucket: TokenBucket | None,
             options = replace(options, piece_size=size, request_size=min(size,
                                                                          options.request_size))
         options = replace(options, verify_files=args.verify_files)
-        if args.adaptive:
-            options = replace(options, adaptive=True)
+        if args.adaptive is not None:
+            options = replace(options, adaptive=args.adaptive)
         rate = parse_rate(args.rate) if args.rate else pulls.rate
     except (ValueError, UnitError) as e:
         print(f"wagent pull: {e}", file=sys.stderr)

@@ -32,9 +32,12 @@ trip are still in slow start), at most ``WINDOWS`` of them:
   aggregate by ``MIN_GROWTH``, then growing on by quarters) and a quarter fewer (kept if
   goodput stays within ``KEEP``); when goodput moved by more than ``MOVED`` (a cap appeared or
   lifted, a source dropped), at once: twice as many, then growing as a pull does;
-- *held*: when the token bucket held the streams in a window (``pulls.rate``, the backoff), the
-  link is not what limits the pull: one stream fewer per window, kept while goodput stays
-  within ``KEEP``, and no probing up while it holds.
+- *held*: when the token bucket held the streams in a window at its rate (``pulls.rate``, the
+  slow path's backoff) and the window carried at least ``HELD_SHARE`` of that rate, the link
+  is not what limits the pull: one stream fewer per window,
+  kept while goodput stays within ``KEEP``, down to ``HELD_FEWEST``, and no probing up while
+  it holds. The fast path's cuts (``TokenBucket.rate_binds`` leaves them out) don't count:
+  they last a burst, and the streams are wanted the moment it ends.
 
 Behind a cap of 5 MB/s per connection on a 120 MB/s link (24 streams fill it), then on a link
 that two streams fill:
@@ -60,6 +63,12 @@ from dataclasses import dataclass
 from agent.units import format_size
 
 START = 2            # streams a pull starts with
+HELD_SHARE = 0.97    # a window carrying this share of the bucket's rate, a stream waiting for it:
+                     # the cap binds (goodput over 0.5 s under a bucket is within 1-2% of it)
+HELD_FEWEST = 2      # streams a held pull keeps: the backoff lets go when training stops, and
+                     # the pull must be back within seconds; one stream then stalls whenever its
+                     # reader is late (hashing a chunk) on windows sized for a 1 ms queue (the
+                     # yield bench: 5.9 s back to 80% of the link, 4.0 s with 8 streams)
 SETTLE = 0.15        # s after a change before goodput is measured (new connections on a
                      # long round trip are still ramping then: RISING waits for them)
 WINDOW = 0.5         # s of goodput in one window, at least...
@@ -102,8 +111,10 @@ class StreamCount:
         self._settled: tuple[float, float] | None = None    # (goodput, since)
         self._up_next = True
 
-    def step(self, now: float, received: float, held: bool, starved: bool = False) -> int:
+    def step(self, now: float, received: float, held: bool, starved: bool = False,
+             cap: float | None = None) -> int:
         """``received``: the pull's bytes so far; ``held``: its token bucket held a stream
+        at its rate since the last call; ``cap``: that rate (bytes/s; None: unlimited);
         since the last call; ``starved``: some streams may have no work (the pull's last
         requests), so nothing is measured. Returns the count to run now."""
         if starved:
@@ -128,7 +139,14 @@ class StreamCount:
         w = self._windows
         if len(w) < 2 or (w[-1] > (1 + RISING) * w[-2] and len(w) < WINDOWS):
             return self.count              # one window proves nothing; a rising one is early
-        held, self._held = self._held, False
+        # Held means the cap is what limits the pull: a stream waited for the bucket, and the
+        # window carried nearly the cap. A bucket whose rate is the link's lets the streams'
+        # chunks through in clumps, so some stream waits now and then while the link, not the
+        # cap, limits the pull (alone on the yield bench's 1 Gbit/s link the pull carried 91%
+        # of the bucket's rate; taken for held, it gave back every stream it added, and two
+        # streams carried 5% less than four or eight).
+        held = self._held and cap is not None and goodput >= HELD_SHARE * cap
+        self._held = False
         self._judge(now, goodput, held)
         return self.count
 
@@ -173,13 +191,14 @@ class StreamCount:
                 return
         if held:
             # The bucket (a rate cap, the backoff) is the limit: fewer streams fill it as well.
-            if self.count > 1:
+            fewest = min(self.most, HELD_FEWEST)
+            if self.count > fewest:
                 self._probe = _Probe(self.count, goodput, False)
                 self._change(now, self.count - 1, f"the pull's rate cap or backoff holds it at "
                              f"{_rate(goodput)}: one stream fewer")
             else:
-                self._settle(now, goodput, f"1 stream: the pull's rate cap or backoff holds it "
-                             f"at {_rate(goodput)}")
+                self._settle(now, goodput, f"{self.count} stream{'s' * (self.count > 1)}: the "
+                             f"pull's rate cap or backoff holds it at {_rate(goodput)}")
             return
         if p is not None:                     # growing
             if self.count >= self.most:

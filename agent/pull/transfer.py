@@ -285,7 +285,8 @@ class Transfer:
         """The stream count, measured again (``chooser``); the streams it adds, started."""
         if self.chooser is None:
             return []
-        held = self.bucket is not None and self.bucket.waiting > 0
+        held = self.bucket is not None and self.bucket.rate_binds
+        rate = self.bucket.rate if self.bucket is not None else None
         with self.cond:
             received = self.arrivals.total
             if self.error is not None or self.stop.is_set() or not (self.queue or self.active):
@@ -293,7 +294,8 @@ class Transfer:
             # Near the end fewer requests are left than streams: what they carry then says
             # nothing of the path, so the count is not judged on it.
             starved = len(self.queue) < 2 * self.target
-        count = self.chooser.step(self.clock(), received, held, starved=starved)
+        count = self.chooser.step(self.clock(), received, held, starved=starved,
+                                  cap=rate / 8 if rate is not None else None)
         with self.cond:
             if count != self.target:
                 log.info("%s/%s: %d streams: %s", self.model, self.version, count,

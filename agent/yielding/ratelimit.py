@@ -37,7 +37,8 @@ class TokenBucket:
         self._rate = self._check(bits_per_s)
         self._tat = clock()
         self._generation = 0
-        self._waiting = 0
+        self._waiting = 0       # callers waiting for their bytes' turn at the rate
+        self._cut = 0           # ...and for the fast path's cut to end
         # the fast path's cut (agent.yielding.bursts.BurstGate.hold): seconds a caller at the
         # current rate waits before its next bytes; None: no fast path
         self._hold: Callable[[int | None], float] | None = None
@@ -82,9 +83,18 @@ class TokenBucket:
 
     @property
     def waiting(self) -> int:
-        """How many callers of :meth:`consume` are waiting for their bytes' turn now."""
+        """How many callers of :meth:`consume` are waiting now, for their bytes' turn at the
+        rate or for the fast path's cut to end."""
         with self._cond:
-            return self._waiting
+            return self._waiting + self._cut
+
+    @property
+    def rate_binds(self) -> bool:
+        """A caller waits for its bytes' turn at the rate now (``pulls.rate``, the slow path's
+        backoff): the cap, not the path, limits the pull. The fast path's cuts don't count:
+        they last a burst, and the streams are wanted the moment it ends."""
+        with self._cond:
+            return self._waiting > 0
 
     def _reserve(self, n_bytes: int) -> float:
         """Books ``n_bytes``; returns how long the caller must wait before sending them."""
@@ -126,9 +136,9 @@ class TokenBucket:
                 return True
             if stop is not None and stop.is_set():
                 return False
-            self._waiting += 1
+            self._cut += 1
             try:
                 self._cond.wait(min(wait, 0.1))
             finally:
-                self._waiting -= 1
+                self._cut -= 1
         return True

@@ -108,6 +108,7 @@ def test_a_stop_ends_the_wait_for_a_cut():
     t.start()
     time.sleep(0.05)
     assert bucket.waiting == 1
+    assert not bucket.rate_binds        # a cut lasts a burst: the stream count keeps its streams
     stop.set()
     t.join(1.0)
     assert not t.is_alive()

@@ -51,7 +51,8 @@ def node(tmp_path, url: str, *, role: str = "gpu", streams: int = 8,
          pulling=lambda: 1, clock=None, models=(MODEL,)) -> NodePulls:
     policy = Policy(sources=(Source(url),), models=tuple(models), cache_role="cache",
                     store=StoreSettings(path=str(tmp_path / "store")),
-                    pulls=Pulls(streams=streams, piece_size=2**20, retries=1),
+                    pulls=Pulls(streams=streams, adaptive_streams=False, piece_size=2**20,
+                                retries=1),
                     state_dir=str(tmp_path / "state"))
     (tmp_path / "state").mkdir(parents=True, exist_ok=True)
     store = Store(policy.store.path)

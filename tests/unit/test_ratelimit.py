@@ -76,6 +76,7 @@ def test_set_rate_wakes_waiters_and_stop_ends_wait():
     b.consume(10)
     done = consumer(b, 100_000)                                      # 100 s at this rate
     assert wait_for(lambda: b.waiting == 1)                          # it waits for its turn
+    assert b.rate_binds                                              # the cap limits the pull
     assert not done.is_set()
     b.set_rate(None)
     assert done.wait(1.0)                                            # woken: unlimited now

@@ -1,17 +1,19 @@
 """The stream count chosen by measurement (``agent.pull.stream_count``), against modelled paths:
 goodput as a function of the count, fed as a pull feeds it."""
 
-from agent.pull.stream_count import RAMP_WINDOW, REPROBE, SETTLE, StreamCount
+from agent.pull.stream_count import HELD_FEWEST, RAMP_WINDOW, REPROBE, SETTLE, StreamCount
 
 MB = 1e6
 
 
-def pull(c, rate_of, seconds, start=0.0, dt=0.25, held_of=lambda n: False):
-    """Runs ``c`` for ``seconds`` on a path whose goodput is ``rate_of(count)``; the counts."""
+def pull(c, rate_of, seconds, start=0.0, dt=0.25, held_of=lambda n: False, cap=None):
+    """Runs ``c`` for ``seconds`` on a path whose goodput is ``rate_of(count)``, behind a
+    bucket of rate ``cap`` (bytes/s) that holds a stream at times when ``held_of(count)``;
+    the counts."""
     t, got, counts = start, 0.0, [c.count]
     while t < start + seconds:
         t, got = t + dt, got + rate_of(c.count) * dt
-        n = c.step(t, got, held=held_of(c.count))
+        n = c.step(t, got, held=held_of(c.count), cap=cap)
         if n != counts[-1]:
             counts.append(n)
     return counts
@@ -87,9 +89,31 @@ def test_held_by_the_rate_cap_it_gives_streams_back():
     assert c.count == 8
     # now a cap of 20 MB/s holds the pull: fewer streams fill it as well
     counts = pull(c, lambda n: min(5 * MB * n, 20 * MB), 30, start=20.0,
-                  held_of=lambda n: 5 * MB * n > 20 * MB)
+                  held_of=lambda n: 5 * MB * n > 20 * MB, cap=20 * MB)
     assert c.count == 4 and counts[-1] == 4, counts
     assert "the pull's rate cap or backoff holds it" in c.reason or "carry as much" in c.reason
+
+
+def test_held_by_the_backoff_it_keeps_two_streams():
+    """At the backoff's floor every stream waits for the bucket; two stay for the moment the
+    training stops (one stalls on windows sized for a 1 ms queue whenever its reader is late)."""
+    c = StreamCount(most=32)
+    pull(c, lambda n: 5 * MB * n, 20)
+    assert c.count > 8
+    pull(c, lambda n: 0.25 * MB, 60, start=20.0, held_of=lambda n: True, cap=0.25 * MB)
+    assert c.count == HELD_FEWEST == 2
+    assert c.reason.startswith("2 streams: the pull's rate cap or backoff holds it")
+
+
+def test_a_bucket_at_the_links_rate_that_waits_now_and_then_is_not_a_cap():
+    """Alone on a link, behind a bucket at the link's rate (the backoff's ceiling): chunks
+    come in clumps, so some stream waits for the bucket at times, but the link limits the
+    pull (91% of the bucket's rate), and more streams carry more of it."""
+    c = StreamCount(most=32)
+    counts = pull(c, lambda n: min(100 * MB + 5 * MB * n, 118 * MB), 20,
+                  held_of=lambda n: True, cap=125 * MB)
+    assert counts[:2] == [2, 3] and c.count >= 3, counts      # a stream more: 4.5% more
+    assert "rate cap" not in c.reason
 
 
 def test_settled_it_probes_again_when_the_path_changes():
