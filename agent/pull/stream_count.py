@@ -68,7 +68,7 @@ HELD_SHARE = 0.97    # a window carrying this share of the bucket's rate, a stre
 HELD_FEWEST = 2      # streams a held pull keeps: the backoff lets go when training stops, and
                      # the pull must be back within seconds; one stream then stalls whenever its
                      # reader is late (hashing a chunk) on windows sized for a 1 ms queue (the
-                     # yield bench: 5.9 s back to 80% of the link, 4.0 s with 8 streams)
+                     # yield bench: 5.9 s back to 80% of the link, 3.5 s with 8 streams)
 SETTLE = 0.15        # s after a change before goodput is measured (new connections on a
                      # long round trip are still ramping then: RISING waits for them)
 WINDOW = 0.5         # s of goodput in one window, at least...
@@ -115,7 +115,7 @@ class StreamCount:
              cap: float | None = None) -> int:
         """``received``: the pull's bytes so far; ``held``: its token bucket held a stream
         at its rate since the last call; ``cap``: that rate (bytes/s; None: unlimited);
-        since the last call; ``starved``: some streams may have no work (the pull's last
+        ``starved``: some streams may have no work (the pull's last
         requests), so nothing is measured. Returns the count to run now."""
         if starved:
             self._mark, self._windows = None, []
