@@ -44,12 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", metavar="URL", help="{source}/{model}/{version}; version may be "
                    "'latest'; a source is http(s):// or s3://BUCKET/PREFIX")
     p.add_argument("--store", required=True, metavar="DIR", help="the store directory")
-    p.add_argument("--streams", type=int, metavar="N", help="parallel streams (default 8); "
-                   "with --adaptive, the most")
+    p.add_argument("--streams", type=int, metavar="N", help="parallel streams at most "
+                   "(default 32); with --no-adaptive, exactly")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="choose how many streams by measuring what each adds, up to --streams; "
                    "--no-adaptive: always --streams (default: the policy's "
-                   "pulls.adaptive_streams, off)")
+                   "pulls.adaptive_streams, on)")
     p.add_argument("--rate", metavar="RATE", help="cap, e.g. 300mbit or 50MB/s (default: none)")
     p.add_argument("--mirror", action="append", default=[], metavar="URL",
                    help="another source base URL, tried per piece after the first (repeatable)")

@@ -145,14 +145,13 @@ class StoreSettings:
 
 @dataclass(frozen=True)
 class Pulls:
-    # the streams a pull runs (the most, with adaptive_streams)
-    streams: int = field(default=8, metadata={"min": 1, "max": 256})
+    # the most streams a pull runs (exactly, with adaptive_streams off): a path behind a cap per
+    # connection wants link / per-connection rate of them, 24 on the scaling bench's 24 R path,
+    # about 28 on a 200 Gbit/s ring where one stream carried 7.25 Gbit/s
+    streams: int = field(default=32, metadata={"min": 1, "max": 256})
     # true: start with 2, add while each added stream carries its share, at most ``streams``
-    # (agent.pull.stream_count); false: ``streams`` always. Off: within 2-6% of the best fixed
-    # count on the scaling bench, but beside the yielding's 1 ms windows it cost the pull alone
-    # 5% of the link on the yield bench (90.0-90.4% against 95.1-95.3% with 4 or 8 fixed
-    # streams) and its return after training (issue 25's closing note of 2026-12-05)
-    adaptive_streams: bool = False
+    # (agent.pull.stream_count); false: ``streams`` always
+    adaptive_streams: bool = True
     piece_size: int = size_field(64 * 2**20)  # pieces of non-safetensors files; big tensors split
     connect_timeout: float = duration_field(10.0)
     read_timeout: float = duration_field(30.0)

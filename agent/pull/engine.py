@@ -66,6 +66,7 @@ __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStoppe
 
 log = logging.getLogger(__name__)
 MIN_REQUEST = 2**20
+PLANNED_ADAPTIVE = 8   # streams a chosen count's requests are sized for
 
 
 @dataclass(frozen=True)
@@ -269,12 +270,16 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     copies = [(fp.blob, c) for fp in p.files for c in fp.copies]
     streams = max(1, options.streams)
     # About 8 requests per stream, and single pieces at the end, so that the streams finish
-    # together rather than one of them finishing a long request alone.
+    # together rather than one of them finishing a long request alone. A chosen count is
+    # planned for as if 8 ran: it mostly settles at a few (one request per round trip would
+    # cost a long path its rate if requests were cut for the most), and its last requests
+    # come a piece at a time anyway.
+    planned = min(streams, PLANNED_ADAPTIVE) if options.adaptive else streams
     request_size = max(1, min(options.request_size, options.piece_size,
-                              max(MIN_REQUEST, p.bytes_fetch // (8 * streams))))
+                              max(MIN_REQUEST, p.bytes_fetch // (8 * planned))))
     options = replace(options, streams=streams, request_size=request_size)
     transfer = Transfer(sources, store, m.model, m.version, files,
-                        planning.requests_for(p, request_size, tail=2 * streams),
+                        planning.requests_for(p, request_size, tail=2 * planned),
                         copies, options, bucket, stop,
                         on_file=lambda f, n: emit("file", f.path), clock=clock,
                         connections=connections, demand=demand)

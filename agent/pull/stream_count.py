@@ -30,8 +30,11 @@ trip are still in slow start), at most ``WINDOWS`` of them:
   tried nothing smaller, the count grows on by a quarter;
 - *settled*: every ``REPROBE`` s probe, alternately a quarter more (kept if it grew the
   aggregate by ``MIN_GROWTH``, then growing on by quarters) and a quarter fewer (kept if
-  goodput stays within ``KEEP``); when goodput moved by more than ``MOVED`` (a cap appeared or
-  lifted, a source dropped), at once: twice as many, then growing as a pull does;
+  goodput stays within ``KEEP``); when goodput rose by more than ``MOVED`` (a cap per
+  connection lifted, a faster source), at once: twice as many, then growing as a pull does.
+  Goodput that fell is left to the probes: the likelier cause is other traffic on the link,
+  and a pull that yields must not answer it with more connections (a cap that appeared is found
+  by the next probe up, which grows on by quarters while each step adds);
 - *held*: when the token bucket held the streams in a window at its rate (``pulls.rate``, the
   slow path's backoff) and the window carried at least ``HELD_SHARE`` of that rate, the link
   is not what limits the pull: one stream fewer per window,
@@ -82,7 +85,7 @@ GROW = 4             # the count's factor per step while every added stream carr
 LINEAR = 0.75        # added streams carrying this share of an average one: keep growing
 MIN_GROWTH = 0.03    # an added step must grow the aggregate by this share (a window's noise)
 KEEP = 0.95          # fewer streams are kept if goodput stays within this share
-MOVED = 0.25         # settled goodput moving by this share: the path changed, probe again
+MOVED = 0.25         # settled goodput rising by this share: the path changed, ramp again
 REPROBE = 30.0       # s between probes while settled
 
 
@@ -115,8 +118,9 @@ class StreamCount:
              cap: float | None = None) -> int:
         """``received``: the pull's bytes so far; ``held``: its token bucket held a stream
         at its rate since the last call; ``cap``: that rate (bytes/s; None: unlimited);
-        ``starved``: some streams may have no work (the pull's last
-        requests), so nothing is measured. Returns the count to run now."""
+        ``starved``: goodput says nothing of the path now, and the window is dropped: some
+        streams may have no work (the pull's last requests), or the pull yielded (its
+        bucket's rate moved, the fast path cut it). Returns the count to run now."""
         if starved:
             self._mark, self._windows = None, []
             return self.count
@@ -215,18 +219,18 @@ class StreamCount:
             return
         assert self._settled is not None
         settled, since = self._settled
-        moved = settled > 0 and abs(goodput - settled) > MOVED * settled
+        moved = settled > 0 and goodput > (1 + MOVED) * settled
         if not moved and now - since < REPROBE:
             return
         if moved and self.count < self.most:
-            # Another path (a cap per connection appeared or lifted, a source dropped): ramp
-            # again, twice as many and then by GROW, rather than a quarter at a time.
+            # Another path (a cap per connection lifted, a faster source): ramp again, twice
+            # as many and then by GROW, rather than a quarter at a time.
             self._probe = _Probe(self.count, goodput, True)
-            self._change(now, self.count * 2, f"goodput moved ({_rate(settled)} -> "
+            self._change(now, self.count * 2, f"goodput rose ({_rate(settled)} -> "
                          f"{_rate(goodput)}): growing from {self.count}")
             return
         step = max(1, self.count // 4)
-        why = "goodput moved" if moved else "probing"
+        why = "goodput rose" if moved else "probing"
         if self._up_next and self.count < self.most:
             self._probe = _Probe(self.count, goodput, True)
             self._fine = True

@@ -3,13 +3,14 @@
 Each stream is a thread with its own HTTP session per source. It takes the next request (a run of
 consecutive pieces of one file) from a shared queue, streams the body in chunks, pays the shared
 token bucket per chunk, pwrites each chunk at its offset, hashes the bytes as they arrive and, at
-each piece boundary, checks the piece's sha256 and journals it. A failure (connection, timeout,
-status, framing, hash, or a goodput under the floor) moves the rest of the request to the next
-source; after every source has failed, the stream backs off (exponential, with jitter) and goes
-round again, a bounded number of times. A file whose last piece lands is moved into blobs/ by the
-stream that landed it. The thread that runs the transfer also watches every request's goodput
-(``goodput.Meter``: time waiting for the bucket doesn't count) and breaks the connection of one
-that trickles under the floor.
+each piece boundary, checks the piece's sha256 and hands the piece to ``Landing``, whose thread
+syncs and journals it while the stream reads on (``agent.pull.landing`` says why). A failure
+(connection, timeout, status, framing, hash, or a goodput under the floor) moves the rest of the
+request to the next source; after every source has failed, the stream backs off (exponential,
+with jitter) and goes round again, a bounded number of times. A file whose last piece lands is
+moved into blobs/ by the landing thread. The thread that runs the transfer also watches every
+request's goodput (``goodput.Meter``: time waiting for the bucket doesn't count) and breaks the
+connection of one that trickles under the floor.
 
 Bytes are written before their piece is verified, so one writer owns a piece's bytes at a time:
 the stream holding its request (which retries it on the next source), or the copier, which hands a
@@ -47,8 +48,9 @@ from agent.pull.credentials import CredentialsError
 from agent.pull.demand import Demand
 from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Arrivals, Meter
+from agent.pull.landing import Landing
 from agent.pull.options import PullOptions
-from agent.pull.plan import Copy, RangeRequest, take_piece
+from agent.pull.plan import Copy, RangeRequest, take_next, take_piece
 from agent.pull.stream_count import StreamCount
 from agent.redact import redact
 from agent.store import Store
@@ -168,6 +170,8 @@ class Transfer:
         self.streams_why = self.chooser.reason if self.chooser is not None else \
             f"{options.streams} (fixed: pulls.adaptive_streams is off)"
         self._running: set[int] = set()
+        self._landing: Landing[FileState] | None = None     # while ``run`` runs
+        self._disturbances = 0            # the bucket's, at the last ``_choose``
 
     # -- orchestration --------------------------------------------------------------------------
     def run(self, tick: Callable[[], None], interval: float = 0.5) -> None:
@@ -230,6 +234,19 @@ class Transfer:
             workers.append(threading.Thread(target=self._stream, args=(-1, True),
                                             name="pull-urgent", daemon=True))
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
+        landing = self._landing = Landing(self._land, self._landing_failed)
+        try:
+            self._run_threads(tick, interval, workers, copier)
+        finally:
+            landing.close()       # every verified piece is journaled, even when the pull failed
+        if self.error is not None:
+            raise self.error
+        if self.stop.is_set() and any(f.remaining for f in self.files.values()):
+            raise PullStopped("pull stopped; the pieces already verified are kept for the next "
+                              "pull")
+
+    def _run_threads(self, tick: Callable[[], None], interval: float,
+                     workers: list[threading.Thread], copier: threading.Thread) -> None:
         # Files whose pieces were all journaled already: before any stream can touch them.
         for f in list(self.files.values()):
             if f.remaining == 0:
@@ -269,11 +286,6 @@ class Transfer:
             for t in threads:
                 t.join()
             raise
-        if self.error is not None:
-            raise self.error
-        if self.stop.is_set() and any(f.remaining for f in self.files.values()):
-            raise PullStopped("pull stopped; the pieces already verified are kept for the next "
-                              "pull")
 
     def _stream_thread(self, index: int) -> threading.Thread:
         with self.cond:
@@ -287,6 +299,11 @@ class Transfer:
             return []
         held = self.bucket is not None and self.bucket.rate_binds
         rate = self.bucket.rate if self.bucket is not None else None
+        # The backoff moved the bucket's rate, or the fast path cut the streams for a burst:
+        # goodput then says what the yielding allowed, not what the path carries (a pull
+        # cut to nothing by a training flow would "grow" its count as the flow ended).
+        disturbances = self.bucket.disturbances if self.bucket is not None else 0
+        yielded, self._disturbances = disturbances != self._disturbances, disturbances
         with self.cond:
             received = self.arrivals.total
             if self.error is not None or self.stop.is_set() or not (self.queue or self.active):
@@ -294,7 +311,7 @@ class Transfer:
             # Near the end fewer requests are left than streams: what they carry then says
             # nothing of the path, so the count is not judged on it.
             starved = len(self.queue) < 2 * self.target
-        count = self.chooser.step(self.clock(), received, held, starved=starved,
+        count = self.chooser.step(self.clock(), received, held, starved=starved or yielded,
                                   cap=rate / 8 if rate is not None else None)
         with self.cond:
             if count != self.target:
@@ -347,7 +364,7 @@ class Transfer:
                 if waited:
                     self.boosted.add(threading.get_ident())
             elif self.queue and not urgent_only:
-                req = self.queue.popleft()
+                req = take_next(self.queue, self.target)
             else:
                 self._running.discard(index)
                 return None
@@ -401,10 +418,9 @@ class Transfer:
                     if not good:
                         self._fetch_instead(f, c)
                         continue
-                    f.partial.sync()
                     with self.cond:
                         self.reused += c.piece.size
-                    self._piece_done(f, c.piece)
+                    self._landed_by(f, c.piece, 0)
         except PullError as e:
             self._fail(e)
         except OSError as e:
@@ -588,9 +604,8 @@ class Transfer:
                     if h.hexdigest() != piece.sha256:
                         raise _Mismatch(f"{redact(url)}: bytes {piece.offset}+{piece.size} do "
                                         "not match their sha256 in the manifest")
-                    f.partial.sync()
                     pending -= piece.size
-                    self._piece_done(f, piece, received=piece.size)
+                    self._landed_by(f, piece, piece.size)
                     pieces.popleft()
                     if pieces:
                         piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
@@ -610,6 +625,24 @@ class Transfer:
         log.warning("source %s: ETags disagree (%s), a file that changed or backends with their "
                     "own ETags for the same bytes; ignoring its ETags, every piece is still "
                     "verified against the manifest", redact(self.sources[si].url), seen)
+
+    def _landed_by(self, f: FileState, piece: Piece, received: int) -> None:
+        """A verified piece, to be synced and journaled (``_land``) off this thread."""
+        assert self._landing is not None
+        self._landing.put(f, piece, received)
+
+    def _land(self, f: FileState, piece: Piece, received: int) -> None:
+        """The landing thread, once the piece's bytes are synced (the partial open)."""
+        self._piece_done(f, piece, received)
+
+    def _landing_failed(self, f: FileState, e: Exception) -> None:
+        if isinstance(e, PullError):
+            self._fail(e)
+        elif isinstance(e, OSError):
+            self._fail(self._os_error(e, f.path))
+        else:
+            log.error("landing pieces of %s", f.path, exc_info=e)
+            self._fail(PullError(f"internal error landing pieces of {f.path}: {e!r}"))
 
     def _piece_done(self, f: FileState, piece: Piece, received: int = 0) -> None:
         """``received``: the piece's bytes counted in flight until now (0 for a copy)."""

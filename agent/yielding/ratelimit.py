@@ -39,6 +39,7 @@ class TokenBucket:
         self._generation = 0
         self._waiting = 0       # callers waiting for their bytes' turn at the rate
         self._cut = 0           # ...and for the fast path's cut to end
+        self._disturbances = 0  # rate changes and cuts waited, ever (``disturbances``)
         # the fast path's cut (agent.yielding.bursts.BurstGate.hold): seconds a caller at the
         # current rate waits before its next bytes; None: no fast path
         self._hold: Callable[[int | None], float] | None = None
@@ -56,7 +57,9 @@ class TokenBucket:
 
     def set_rate(self, bits_per_s: int | None) -> None:
         with self._cond:
-            self._rate = self._check(bits_per_s)
+            rate = self._check(bits_per_s)
+            self._disturbances += rate != self._rate
+            self._rate = rate
             self._tat = self._clock()
             self._generation += 1
             self._cond.notify_all()
@@ -87,6 +90,13 @@ class TokenBucket:
         rate or for the fast path's cut to end."""
         with self._cond:
             return self._waiting + self._cut
+
+    @property
+    def disturbances(self) -> int:
+        """How many times the rate changed or a caller waited out a cut (0.1 s at a time),
+        ever: goodput measured across a change of it measured the yielding, not the path."""
+        with self._cond:
+            return self._disturbances
 
     @property
     def rate_binds(self) -> bool:
@@ -137,6 +147,7 @@ class TokenBucket:
             if stop is not None and stop.is_set():
                 return False
             self._cut += 1
+            self._disturbances += 1
             try:
                 self._cond.wait(min(wait, 0.1))
             finally:

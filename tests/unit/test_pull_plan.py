@@ -1,6 +1,10 @@
+import collections
+import doctest
+
 from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece
-from agent.pull.plan import plan, requests_for
+from agent.pull import plan as planning
+from agent.pull.plan import RangeRequest, plan, requests_for, take_next
 
 
 def sha(c):
@@ -88,3 +92,14 @@ def test_requests_of_many_small_pieces_are_planned_in_linear_time():
     p = plan(big, blobs={}, piece_index={}, journals={})
     reqs = requests_for(p, request_size=16 * 2**20, tail=16)
     assert sum(len(r.pieces) for r in reqs) == n
+
+
+def test_the_last_requests_go_a_piece_at_a_time_for_the_streams_running():
+    assert doctest.testmod(planning).failed == 0
+    ps = tuple(Piece(o, 1, "0" * 64) for o in range(4))
+    q = collections.deque(RangeRequest(b, ps) for b in "abcdef")
+    assert len(take_next(q, 2).pieces) == 4           # 5 left: not yet under 2 x 2
+    assert len(take_next(q, 2).pieces) == 4           # 4 left
+    got = take_next(q, 2)                             # 3 left: split
+    assert (got.blob, len(got.pieces)) == ("c", 1)
+    assert [(r.blob, len(r.pieces)) for r in q][:4] == [("c", 1)] * 3 + [("d", 4)]

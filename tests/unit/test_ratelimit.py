@@ -88,3 +88,19 @@ def test_set_rate_wakes_waiters_and_stop_ends_wait():
     assert not done.is_set()
     stop.set()                                                       # a pull being stopped
     assert done.wait(1.0)
+
+
+def test_disturbances_count_rate_changes_and_cuts_not_a_rate_set_again():
+    b = TokenBucket(8_000_000)
+    assert b.disturbances == 0
+    b.set_rate(8_000_000)                                   # the same rate: no change
+    assert b.disturbances == 0
+    b.set_rate(4_000_000)
+    assert b.disturbances == 1
+    cut = [0.15]
+    b.hold_on(lambda rate: cut[0])                          # the fast path cuts the readers
+    done = consumer(b, 10)
+    assert wait_for(lambda: b.waiting == 1)
+    cut[0] = 0.0
+    assert done.wait(1.0)
+    assert b.disturbances >= 2 and not b.rate_binds         # a cut is not the rate binding

@@ -116,14 +116,26 @@ def test_a_bucket_at_the_links_rate_that_waits_now_and_then_is_not_a_cap():
     assert "rate cap" not in c.reason
 
 
-def test_settled_it_probes_again_when_the_path_changes():
+def test_settled_it_ramps_again_when_goodput_rises():
     c = StreamCount(most=16)
-    pull(c, lambda n: 100 * MB, 10)
+    pull(c, lambda n: 10 * MB, 10)                  # a cap on the link: two carry it
     assert c.count == 2
-    # a cap per connection appears (a proxy in the way): goodput falls, the count grows
+    # the link's cap lifts, a cap per connection shows: goodput rises, the count ramps
     counts = pull(c, lambda n: min(10 * MB * n, 100 * MB), 40, start=10.0)
     assert counts[:3] == [2, 4, 16], counts         # ramping again: twice, then four times
     assert max(counts) >= 10 and c.count >= 8, (counts, c.reason)   # (probes either side)
+
+
+def test_goodput_that_falls_adds_no_stream_and_a_probe_finds_a_new_cap():
+    c = StreamCount(most=16)
+    pull(c, lambda n: 100 * MB, 10)
+    assert c.count == 2
+    # another flow takes most of the link: no more connections to fight it with
+    assert pull(c, lambda n: 20 * MB, 20, start=10.0) == [2]
+    # a cap per connection appears (a proxy in the way): the next probe up finds it and
+    # grows on by quarters while each step adds
+    counts = pull(c, lambda n: min(10 * MB * n, 100 * MB), REPROBE + 20, start=30.0)
+    assert counts[:2] == [2, 3] and c.count >= 8, (counts, c.reason)
 
 
 def test_settled_it_probes_both_ways_every_while():
