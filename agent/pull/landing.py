@@ -6,8 +6,8 @@ stopped reading its socket for the fdatasync, 2-10 ms a piece on a real disk, mo
 and a pull's receive windows are sized for a queue budget of about a millisecond
 (``agent.yielding.sockets``): the sender stalls within that budget, so every piece cost its
 stream the rest of the sync. With fewer streams each stream lands more pieces per second: on
-the yield bench's 1 Gbit/s link two streams carried about 90% of the link and eight 95%, for no
-other reason.
+the yield bench's 1 Gbit/s link two streams carried 88-92% of the link and eight 95%, the syncs
+and the size of a stream's reads (``PullOptions.chunk``) making the difference.
 
 So a stream hands a verified piece to ``Landing`` and reads on; one thread per pull syncs and
 journals. Pieces of one file waiting together take one fdatasync (it covers every byte written
@@ -97,12 +97,12 @@ class Landing(Generic[F]):
             if f.partial.finished:
                 # Every piece landed already (one fetched twice): nothing to sync; ``land``
                 # counts it once.
-                for f, piece, received in items:
+                for _, piece, received in items:
                     self._land(f, piece, received)
                 return
             with f.partial.opened():
                 f.partial.sync()
-                for f, piece, received in items:
+                for _, piece, received in items:
                     self._land(f, piece, received)
         except Exception as e:          # handed to the pull, which fails with it
             self._fail(f, e)
