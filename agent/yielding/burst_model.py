@@ -60,7 +60,10 @@ from agent.yielding.sockets import most_in_flight, window_for
 
 FINE_STEPS = 400          # steps over a burst's own time (size / C)
 COARSE_PER_TICK = 10      # steps per controller tick in the gaps
-STREAMS = 8               # the pull's sockets (pulls.streams' default)
+STREAMS = 8               # the pull's sockets: the chosen count settles at 2-3 where no
+                          # per-connection cap binds; the total is the same for any count
+                          # until each socket's floor of four segments binds (low rates, or
+                          # 32 sockets behind a cap), where 8 is the middle of the range
 
 
 @dataclass(frozen=True)
