@@ -171,6 +171,12 @@ def take_piece(queue: collections.deque[RangeRequest], blob: str, offset: int
     return None
 
 
+def near_end(queue: collections.deque[RangeRequest], streams: int) -> bool:
+    """Fewer than twice as many requests queued as ``streams``: a pull's last requests, which
+    go a piece at a time (``take_next``) and say nothing of the path (the stream count)."""
+    return len(queue) < 2 * streams
+
+
 def take_next(queue: collections.deque[RangeRequest], streams: int) -> RangeRequest:
     """The next request of a non-empty ``queue`` for one of ``streams`` streams. Once fewer than
     twice as many requests as streams are queued, a piece at a time (the rest of the request
@@ -187,7 +193,7 @@ def take_next(queue: collections.deque[RangeRequest], streams: int) -> RangeRequ
     ([0], [('b', 1), ('b', 1), ('c', 3)])
     """
     req = queue.popleft()
-    if len(req.pieces) > 1 and len(queue) < 2 * streams:
+    if len(req.pieces) > 1 and near_end(queue, streams):
         queue.extendleft(RangeRequest(req.blob, (p,)) for p in reversed(req.pieces[1:]))
         req = RangeRequest(req.blob, req.pieces[:1])
     return req

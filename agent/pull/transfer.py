@@ -50,7 +50,7 @@ from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Arrivals, Meter
 from agent.pull.landing import Landing
 from agent.pull.options import PullOptions
-from agent.pull.plan import Copy, RangeRequest, take_next, take_piece
+from agent.pull.plan import Copy, RangeRequest, near_end, take_next, take_piece
 from agent.pull.stream_count import StreamCount
 from agent.redact import redact
 from agent.store import Store
@@ -234,7 +234,7 @@ class Transfer:
             workers.append(threading.Thread(target=self._stream, args=(-1, True),
                                             name="pull-urgent", daemon=True))
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
-        landing = self._landing = Landing(self._land, self._landing_failed)
+        landing = self._landing = Landing(self._piece_done, self._landing_failed)
         try:
             self._run_threads(tick, interval, workers, copier)
         finally:
@@ -310,7 +310,7 @@ class Transfer:
                 return []
             # Near the end fewer requests are left than streams: what they carry then says
             # nothing of the path, so the count is not judged on it.
-            starved = len(self.queue) < 2 * self.target
+            starved = near_end(self.queue, self.target)
         count = self.chooser.step(self.clock(), received, held, starved=starved or yielded,
                                   cap=rate / 8 if rate is not None else None)
         with self.cond:
@@ -627,13 +627,9 @@ class Transfer:
                     "verified against the manifest", redact(self.sources[si].url), seen)
 
     def _landed_by(self, f: FileState, piece: Piece, received: int) -> None:
-        """A verified piece, to be synced and journaled (``_land``) off this thread."""
+        """A verified piece, to be synced and journaled (``_piece_done``) off this thread."""
         assert self._landing is not None
         self._landing.put(f, piece, received)
-
-    def _land(self, f: FileState, piece: Piece, received: int) -> None:
-        """The landing thread, once the piece's bytes are synced (the partial open)."""
-        self._piece_done(f, piece, received)
 
     def _landing_failed(self, f: FileState, e: Exception) -> None:
         if isinstance(e, PullError):
