@@ -37,6 +37,7 @@ from agent.mount.service import warm as warm_fuse
 from agent.notify import inherited_fds, store_fd
 from agent.ownership import dir_problem, make_missing
 from agent.parts import Parts
+from agent.peers.service import PeerService
 from agent.policy import load_policy
 from agent.policy.model import Policy
 from agent.pull.connections import Connections
@@ -187,13 +188,21 @@ class Application:
         # policy and may replace the store.
         mounts = mounts_for(lambda: parts.policy, lambda: parts.store, pulls, worker, demand,
                             self.clock, self.monotonic)
+        # The cluster's nodes serve each other (peers.enabled): a cache node also looks for a
+        # version at once when a node asks it for one it hasn't seen (pull-through).
+        peers = PeerService(policy, lambda: parts.store, demand,
+                            poke=lambda model: pulls.cache_node and not worker.wake(model),
+                            clock=self.monotonic)
+        pulls.swarm = peers.swarm
+        pulls.offer = peers.catalog.offering
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
-                      mounts=mounts, control=control)
+                      mounts=mounts, peers=peers, control=control)
         try:
             parts.shaping.start()
             parts.scheduler.start()
             parts.worker.start(parts.scheduler)
+            parts.peers.start()
             control.start()
             parts.metrics = self._start_metrics(parts, policy)
             self._schedule_housekeeping(parts, controls)
@@ -226,6 +235,7 @@ class Application:
         if parts.worker is not None:
             parts.worker.stop()
         parts.mounts.stop()
+        parts.peers.stop()
         # The jobs end with their pulls (stopped just now); wait no longer than the budget.
         _join_within(parts.scheduler.shutdown, max(0.1, deadline - self.monotonic() - 0.5))
         if parts.shaping is not None:
@@ -254,6 +264,7 @@ class Application:
         parts.pulls.update(new, parts.identity, parts.store)
         parts.pulls.announce_held()
         parts.worker.update(new)
+        parts.peers.update(new)
         if parts.control is not None:
             # the control socket serves what start was given: the daemon
             self._schedule_housekeeping(parts, cast(DaemonControls, parts.control.controls))
@@ -288,6 +299,8 @@ class Application:
             alive["backoff"] = parts.shaping.loop.alive()
         if parts.control is not None:
             alive["control"] = parts.control.alive()
+        if parts.peers.server is not None:
+            alive["peers"] = parts.peers.server.alive()
         return alive
 
     def error_counts(self, parts: Parts | None) -> dict[str, int]:

@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -167,6 +167,7 @@ def families(state: DaemonState, fetched: Mapping[str, int],
     yield from _pulls(state.pulls, fetched, current, finished)
     yield from _shaping(state.shaping)
     yield from _backoff(state.backoff)
+    yield from _peers(state.peers)
     s = state.store
     yield g("wagent_store_used_bytes", "Bytes on disk in the store's blobs and partial files",
             value=s.used_bytes)
@@ -219,7 +220,11 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
               labels=["model", "state"])
     last = g("wagent_pull_last_finished_timestamp_seconds", "When the model's last pull "
              "published its version, Unix time", labels=["model"])
+    by_source = g("wagent_pull_source_bytes", "Bytes the model's current (or last) pull "
+                  "received, by kind of source: peer, cache, origin", labels=["model", "kind"])
     for p in pulls:
+        for kind in SOURCE_KINDS:
+            by_source.add_metric([p.model, kind], p.bytes_by_source.get(kind, 0))
         streams.add_metric([p.model], p.streams)
         chosen.add_metric([p.model], p.streams_chosen)
         if p.version:
@@ -234,7 +239,26 @@ def _pulls(pulls: tuple[PullInfo, ...], fetched: Mapping[str, int],
             "names, the one inference servers load", labels=["model", "version"])
     for model, version in sorted(current.items()):
         cur.add_metric([model, version], 1)
-    yield from (streams, chosen, done, size, state, last, cur)
+    yield from (streams, chosen, by_source, done, size, state, last, cur)
+
+
+SOURCE_KINDS = ("peer", "cache", "origin")     # agent.pull.transfer's kinds of source
+
+
+def _peers(p: Mapping[str, Any]) -> Iterator[Metric]:
+    """What this node served its peers (agent.peers), since the daemon started."""
+    if not p.get("enabled"):
+        return
+    yield CounterMetricFamily("wagent_peer_served_bytes", "Bytes this node's piece server "
+                              "sent to its peers (and, on a cache node, to its cluster)",
+                              value=p.get("served_bytes", 0))
+    yield CounterMetricFamily("wagent_peer_served_requests", "Requests the piece server "
+                              "answered", value=p.get("served_requests", 0))
+    yield CounterMetricFamily("wagent_peer_refused", "Requests the piece server refused (a "
+                              "piece not verified in time, a version it doesn't hold, a "
+                              "connection over peers.connections)", value=p.get("refused", 0))
+    yield GaugeMetricFamily("wagent_peers", "Peers in this node's swarm (0: not among them)",
+                            value=p.get("peers", 0))
 
 
 def _shaping(sh: ShapingInfo) -> Iterator[Metric]:

@@ -11,6 +11,7 @@ from agent.control import ControlServer
 from agent.identity import Identity
 from agent.metrics import Metrics
 from agent.mount.service import Mounts
+from agent.peers.service import PeerService
 from agent.policy.model import Policy
 from agent.pull.node_pulls import NodePulls
 from agent.pull.worker import Worker
@@ -34,6 +35,7 @@ class Parts:
     scheduler: Scheduler
     shaping: ShapingRuntime
     mounts: Mounts
+    peers: PeerService
     control: ControlServer | None = None
     metrics: Metrics | None = None
     metrics_error: str | None = None

@@ -54,7 +54,7 @@ def snapshot(parts: Parts | None, base: DaemonState, clock: Callable[[], float],
         shaping=shaping_info(parts), backoff=backoff_info(parts, clock() - monotonic()),
         pulls=parts.worker.snapshot(),
         window=WindowInfo(open=w.open, next_open=w.next_open, closes_at=w.closes_at),
-        store=store_info(parts.store), mounts=parts.mounts.status())
+        store=store_info(parts.store), mounts=parts.mounts.status(), peers=parts.peers.status())
 
 
 def tick_summary(parts: Parts | None, base: TickSummary) -> TickSummary:

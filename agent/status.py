@@ -156,6 +156,8 @@ class PullProgress:
     bytes_in_flight: int = 0   # received, in pieces not verified yet (not in bytes_done)
     streams_chosen: int = 0    # the streams the pull runs now (agent.pull.stream_count)
     streams_why: str = ""      # ...and why that many
+    # bytes received by kind of source: "peer", "cache", "origin" (agent.peers)
+    bytes_by_source: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def eta(self) -> float | None:
@@ -174,6 +176,7 @@ class PullInfo:
     streams: int = 0                    # connections in use now (0 unless pulling)
     streams_chosen: int = 0             # streams the pull runs now (0 unless pulling)
     streams_why: str = ""               # why that many
+    bytes_by_source: Mapping[str, int] = field(default_factory=dict)   # as PullProgress's
     slot_at: float | None = None        # this node's wave slot for this version
     starts_at: float | None = None      # when it may start: slot, or later if learned late or
                                         # outside the role's windows; None: no window opens
@@ -189,7 +192,8 @@ class PullInfo:
         become status (rates here are bits/s, as ``tc`` and the policy speak)."""
         return replace(self, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
                        rate_bps=p.rate * 8, streams=p.streams,
-                       streams_chosen=p.streams_chosen, streams_why=p.streams_why)
+                       streams_chosen=p.streams_chosen, streams_why=p.streams_why,
+                       bytes_by_source=dict(p.bytes_by_source))
 
 
 @dataclass(frozen=True)
@@ -226,8 +230,13 @@ class DaemonState:
     error_counts: Mapping[str, int] = field(default_factory=dict)  # kind -> count since start
     # lazy mounts (agent.mount.service.Mounts.status: the document's "mounts" as it is)
     mounts: Mapping[str, Any] = field(default_factory=lambda: dict(NO_MOUNTS))
+    # serving peers (agent.peers.service.PeerService.status: the document's "peers" as it is)
+    peers: Mapping[str, Any] = field(default_factory=lambda: dict(NO_PEERS))
 
 
+NO_PEERS: Mapping[str, Any] = {"enabled": False, "serving": False, "port": None, "peers": 0,
+                               "in_swarm": False, "served_bytes": 0, "served_requests": 0,
+                               "served_waited": 0, "refused": 0, "busy": 0, "error": None}
 NO_MOUNTS: Mapping[str, Any] = {"serving": False, "mounts": [], "reads": 0, "read_errors": 0,
                                 "bytes_read": 0, "waiting": 0, "wanted": 0, "errors": []}
 
@@ -257,6 +266,8 @@ def problems(state: DaemonState) -> list[str]:
         out.append(f"shaping: {state.shaping.error}")
     out += [f"pull {p.model}: {p.error}" for p in state.pulls if p.state == "failed" and p.error]
     out += [f"pull {p.model}: {p.stalled}" for p in state.pulls if p.stalled]
+    if state.peers.get("error"):
+        out.append(str(state.peers["error"]))
     out += list(state.errors)
     return out
 
@@ -327,7 +338,8 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
              "bytes_done": p.bytes_done, "bytes_total": p.bytes_total,
              "percent": _percent(p), "rate_bps": p.rate_bps, "eta_s": eta(p),
              "streams": p.streams, "streams_chosen": p.streams_chosen,
-             "streams_why": p.streams_why, "slot_at": p.slot_at, "starts_at": p.starts_at,
+             "streams_why": p.streams_why, "bytes_by_source": dict(p.bytes_by_source),
+             "slot_at": p.slot_at, "starts_at": p.starts_at,
              "started_at": p.started_at,
              "finished_at": p.finished_at, "local_version": p.local_version, "error": p.error,
              "stalled": p.stalled, "on_ready": p.on_ready}
@@ -337,6 +349,7 @@ def to_json(state: DaemonState, now: float) -> dict[str, Any]:
         "store": {"path": s.store.path, "used_bytes": s.store.used_bytes,
                   "versions": s.store.versions, "free_bytes": s.store.free_bytes},
         "mounts": dict(s.mounts),
+        "peers": dict(s.peers),
     }
 
 
@@ -439,6 +452,9 @@ def to_text(doc: Mapping[str, Any]) -> str:
                      f"{format_rate(p['rate_bps'])}, {p['streams']} streams, ETA {eta_txt}")
             if p.get("streams_why"):
                 line += f"\n    streams: {p['streams_chosen']}: {p['streams_why']}"
+            if p.get("bytes_by_source"):
+                line += "\n    from: " + ", ".join(
+                    f"{k} {format_size(v)}" for k, v in sorted(p["bytes_by_source"].items()))
         elif p["state"] in ("waiting_slot", "waiting_window"):
             line += f", slot {_when(p['slot_at'], now)}, starts {_when(p['starts_at'], now)}"
         if p["local_version"]:
@@ -474,6 +490,14 @@ def to_text(doc: Mapping[str, Any]) -> str:
         lines.append(f"mounts:   {mounts['waiting']} reads waiting for their pieces")
     for e in mounts["errors"][-1:]:
         lines.append(f"mounts:   last read error: {e['error']}")
+    peers = doc.get("peers") or NO_PEERS
+    if peers["enabled"]:
+        where = (f"serving on port {peers['port']}" if peers["serving"]
+                 else f"not serving: {peers['error']}")
+        swarm = (f"{peers['peers']} in the swarm" if peers["in_swarm"]
+                 else "not in the swarm (fetches from no peer)")
+        lines.append(f"peers:    {where}, {swarm}; sent {format_size(peers['served_bytes'])} "
+                     f"in {peers['served_requests']} requests")
     if doc["problems"]:
         lines.append("problems:")
         lines += [f"  - {p}" for p in doc["problems"]]

@@ -101,7 +101,152 @@ class Published:
     manifest: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
-class EmulatedFleet:
+class DaemonHosts:
+    """Hosts that each run a real `wagent run` (and cache nodes nginx over their store), with
+    an nginx origin: what every emulated fleet shares. A subclass builds ``hosts`` and
+    ``origin_root``; ``daemon_args`` go before `run` (verbosity)."""
+
+    tb: Testbed
+    hosts: list[FleetHost]
+    origin_root: Path
+    origin: Any                      # its nginx (tests.testbed.nginx)
+    daemon_args: tuple[str, ...] = ("-v",)
+    piece_size = "1MiB"
+
+    def start(self) -> None:
+        """Cache nodes' nginx, then every daemon; returns once each answers status."""
+        for h in self.hosts:
+            if h.role == "cache":
+                (h.store / "models").mkdir(parents=True, exist_ok=True)
+                self.start_nginx(h)
+        for h in self.hosts:
+            self.start_daemon(h)
+        deadline = time.monotonic() + 90
+        for h in self.hosts:
+            while self.status(h) is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{h.id} never answered status\n{self.logs()}")
+                if h.proc is not None and h.proc.poll() is not None:
+                    raise AssertionError(f"{h.id} exited {h.proc.returncode}\n{self.logs()}")
+                time.sleep(0.2)
+
+    def start_daemon(self, h: FleetHost) -> None:
+        h.proc = h.host.popen([WAGENT, *self.daemon_args, "run", "--policy", str(h.policy),
+                               "--hostname", h.id, "--node-id", h.id, "--state-dir",
+                               str(h.dir / "state"), "--socket", str(h.socket)],
+                              log=f"wagent-{h.id}")
+
+    def start_nginx(self, h: FleetHost) -> None:
+        """nginx on a cache node with the site we ship, over its store, logging as JSON."""
+        if h.nginx_dir is None:
+            d = h.nginx_dir = self.tb.tmpdir(f"nginx-{h.id}")
+            site = (REPO / "packaging/nginx/wagent-cache.conf").read_text()
+            site = site.replace("/var/cache/wagent/models", str(h.store / "models"))
+            lines = [f"    access_log {d}/access.log wagent;" if "access_log" in line
+                     else line.replace("/var/log/nginx/", f"{d}/") for line in site.splitlines()]
+            (d / "site.conf").write_text("\n".join(lines) + "\n")
+            (d / "nginx.conf").write_text(
+                f"daemon off;\nuser root;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n"
+                f"events {{}}\nhttp {{\n  log_format wagent escape=json '{LOG_FORMAT}';\n"
+                f"  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n"
+                f"  fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi;\n"
+                f"  scgi_temp_path {d}/scgi;\n  include {d}/site.conf;\n}}\n")
+        d = h.nginx_dir
+        h.nginx = h.host.popen(["nginx", "-p", str(d), "-e", f"{d}/error.log", "-c",
+                                f"{d}/nginx.conf"], log=f"nginx-{h.id}")
+        wait_listening(h.nginx, h.host.ns, 8080, f"nginx on {h.id}", log=d / "error.log")
+
+    def stop(self) -> None:
+        """SIGTERM every daemon (the testbed kills whatever is left when it closes)."""
+        procs = [h.proc for h in self.hosts if h.proc is not None and h.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+    # -- publishing ---------------------------------------------------------------------------
+    def publish(self, version: str, build: Any, fetch: int | None = None) -> Published:
+        """Write a version on the origin (``build(dir)`` makes its files and returns its
+        modelgen spec), its manifest, then `latest` last, as a publisher does. The manifest's
+        publication time is set to the moment `latest` appears: the daemons' slots count from
+        it, and so does the plan."""
+        vdir = self.origin_root / MODEL / version
+        build(vdir)
+        subprocess.run([WAGENT, "manifest", "build", "-q", "--piece-size", self.piece_size,
+                        str(vdir)], check=True, timeout=120)
+        mpath = vdir / "manifest.json"
+        manifest = json.loads(mpath.read_text())
+        now = time.time()
+        manifest["published"] = datetime.fromtimestamp(now, UTC).strftime(
+            "%Y-%m-%dT%H:%M:%S.%fZ")
+        mpath.write_text(json.dumps(manifest))
+        (self.origin_root / MODEL / "latest").write_text(version + "\n")
+        size = sum({f["sha256"]: f["size"] for f in manifest["files"]}.values())
+        return Published(version, published_ts(manifest["published"]), size,
+                         size if fetch is None else fetch, manifest)
+
+    # -- watching -----------------------------------------------------------------------------
+    def status(self, h: FleetHost) -> dict[str, Any] | None:
+        try:
+            return call(str(h.socket), "status", timeout=5.0)
+        except (ControlError, OSError):
+            return None
+
+    def pull(self, h: FleetHost) -> dict[str, Any]:
+        doc = self.status(h) or {}
+        return (doc.get("pulls") or [{}])[0]
+
+    def wait_done(self, version: str, timeout: float,
+                  hosts: list[FleetHost] | None = None) -> dict[str, dict[str, Any]]:
+        """Every host's pull status once it reports ``version`` done."""
+        hosts = hosts or self.hosts
+        done: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < len(hosts):
+            for h in hosts:
+                if h.id not in done:
+                    p = self.pull(h)
+                    if p.get("version") == version and p.get("state") == "done" \
+                            and p.get("finished_at"):
+                        done[h.id] = p
+            if len(done) == len(hosts):
+                break
+            if time.monotonic() > deadline:
+                missing = {h.id: self.pull(h) for h in hosts if h.id not in done}
+                raise AssertionError(f"not done with {version} after {timeout:.0f} s: "
+                                     f"{missing}\n{self.logs()}")
+            time.sleep(0.3)
+        return done
+
+    def origin_bytes(self, version: str, ips: set[str] | None = None) -> int:
+        """Bytes of the version's files (not its manifest) the origin sent, per nginx's log."""
+        return version_bytes(self.origin.requests(), version, ips)
+
+    def nginx_log(self, h: FleetHost) -> list[dict[str, Any]]:
+        """What a cache node's nginx served, per its access log."""
+        path = h.nginx_dir / "access.log" if h.nginx_dir is not None else None
+        if path is None or not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each daemon used so far."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for h in self.hosts:
+            if h.proc is not None and h.proc.poll() is None:
+                fields = Path(f"/proc/{h.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[h.id] = (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def logs(self) -> str:
+        return self.tb.logs(3000)
+
+
+class EmulatedFleet(DaemonHosts):
     def __init__(self, tb: Testbed, spec: FleetSpec = FleetSpec()) -> None:
         self.tb, self.spec = tb, spec
         self.hosts: list[FleetHost] = []
@@ -180,47 +325,6 @@ class EmulatedFleet:
                 f"clusters:\n{clusters}\n")
 
     # -- running ----------------------------------------------------------------------------
-    def start(self) -> None:
-        for h in self.hosts:
-            if h.role == "cache":
-                (h.store / "models").mkdir(parents=True, exist_ok=True)
-                self.start_nginx(h)
-        for h in self.hosts:
-            self.start_daemon(h)
-        deadline = time.monotonic() + 60
-        for h in self.hosts:
-            while self.status(h) is None:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{h.id} never answered status\n{self.logs()}")
-                if h.proc is not None and h.proc.poll() is not None:
-                    raise AssertionError(f"{h.id} exited {h.proc.returncode}\n{self.logs()}")
-                time.sleep(0.2)
-
-    def start_daemon(self, h: FleetHost) -> None:
-        h.proc = h.host.popen([WAGENT, "-v", "run", "--policy", str(h.policy), "--hostname",
-                               h.id, "--node-id", h.id, "--state-dir", str(h.dir / "state"),
-                               "--socket", str(h.socket)], log=f"wagent-{h.id}")
-
-    def start_nginx(self, h: FleetHost) -> None:
-        """nginx on a cache node with the site we ship, over its store, logging as JSON."""
-        if h.nginx_dir is None:
-            d = h.nginx_dir = self.tb.tmpdir(f"nginx-{h.id}")
-            site = (REPO / "packaging/nginx/wagent-cache.conf").read_text()
-            site = site.replace("/var/cache/wagent/models", str(h.store / "models"))
-            lines = [f"    access_log {d}/access.log wagent;" if "access_log" in line
-                     else line.replace("/var/log/nginx/", f"{d}/") for line in site.splitlines()]
-            (d / "site.conf").write_text("\n".join(lines) + "\n")
-            (d / "nginx.conf").write_text(
-                f"daemon off;\nuser root;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n"
-                f"events {{}}\nhttp {{\n  log_format wagent escape=json '{LOG_FORMAT}';\n"
-                f"  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n"
-                f"  fastcgi_temp_path {d}/fcgi;\n  uwsgi_temp_path {d}/uwsgi;\n"
-                f"  scgi_temp_path {d}/scgi;\n  include {d}/site.conf;\n}}\n")
-        d = h.nginx_dir
-        h.nginx = h.host.popen(["nginx", "-p", str(d), "-e", f"{d}/error.log", "-c",
-                                f"{d}/nginx.conf"], log=f"nginx-{h.id}")
-        wait_listening(h.nginx, h.host.ns, 8080, f"nginx on {h.id}", log=d / "error.log")
-
     def kill_cache(self, cluster: str) -> FleetHost:
         """The cache node dies: its daemon and its nginx, at once (SIGKILL)."""
         h = self.cache(cluster)
@@ -235,71 +339,6 @@ class EmulatedFleet:
         self.start_nginx(h)
         self.start_daemon(h)
 
-    def stop(self) -> None:
-        """SIGTERM every daemon (the testbed kills whatever is left when it closes)."""
-        procs = [h.proc for h in self.hosts if h.proc is not None and h.proc.poll() is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-
-    # -- publishing ---------------------------------------------------------------------------
-    def publish(self, version: str, build: Any, fetch: int | None = None) -> Published:
-        """Write a version on the origin (``build(dir)`` makes its files and returns its
-        modelgen spec), its manifest, then `latest` last, as a publisher does. The manifest's
-        publication time is set to the moment `latest` appears: the daemons' slots count from
-        it, and so does the plan."""
-        vdir = self.origin_root / MODEL / version
-        build(vdir)
-        subprocess.run([WAGENT, "manifest", "build", "-q", "--piece-size", "1MiB", str(vdir)],
-                       check=True, timeout=120)
-        mpath = vdir / "manifest.json"
-        manifest = json.loads(mpath.read_text())
-        now = time.time()
-        manifest["published"] = datetime.fromtimestamp(now, UTC).strftime(
-            "%Y-%m-%dT%H:%M:%S.%fZ")
-        mpath.write_text(json.dumps(manifest))
-        (self.origin_root / MODEL / "latest").write_text(version + "\n")
-        size = sum({f["sha256"]: f["size"] for f in manifest["files"]}.values())
-        return Published(version, published_ts(manifest["published"]), size,
-                         size if fetch is None else fetch, manifest)
-
-    # -- watching -----------------------------------------------------------------------------
-    def status(self, h: FleetHost) -> dict[str, Any] | None:
-        try:
-            return call(str(h.socket), "status", timeout=5.0)
-        except (ControlError, OSError):
-            return None
-
-    def pull(self, h: FleetHost) -> dict[str, Any]:
-        doc = self.status(h) or {}
-        return (doc.get("pulls") or [{}])[0]
-
-    def wait_done(self, version: str, timeout: float,
-                  hosts: list[FleetHost] | None = None) -> dict[str, dict[str, Any]]:
-        """Every host's pull status once it reports ``version`` done."""
-        hosts = hosts or self.hosts
-        done: dict[str, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout
-        while len(done) < len(hosts):
-            for h in hosts:
-                if h.id not in done:
-                    p = self.pull(h)
-                    if p.get("version") == version and p.get("state") == "done" \
-                            and p.get("finished_at"):
-                        done[h.id] = p
-            if len(done) == len(hosts):
-                break
-            if time.monotonic() > deadline:
-                missing = {h.id: self.pull(h) for h in hosts if h.id not in done}
-                raise AssertionError(f"not done with {version} after {timeout:.0f} s: "
-                                     f"{missing}\n{self.logs()}")
-            time.sleep(0.3)
-        return done
-
     def cache(self, cluster: str) -> FleetHost:
         return next(h for h in self.hosts if h.cluster == cluster and h.role == "cache")
 
@@ -307,34 +346,13 @@ class EmulatedFleet:
         return [h for h in self.hosts if h.cluster == cluster]
 
     # -- what the servers saw -----------------------------------------------------------------
-    def origin_bytes(self, version: str, ips: set[str] | None = None) -> int:
-        """Bytes of the version's files (not its manifest) the origin sent, per nginx's log."""
-        return version_bytes(self.origin.requests(), version, ips)
-
     def cache_log(self, cluster: str) -> list[dict[str, Any]]:
-        d = self.cache(cluster).nginx_dir
-        path = d / "access.log" if d is not None else None
-        if path is None or not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
+        return self.nginx_log(self.cache(cluster))
 
     def latest_pollers(self, since: float, until: float) -> set[str]:
         """The addresses that asked the origin for `latest` in a time span."""
         return {r["remote"] for r in self.origin.requests()
                 if r["uri"] == f"/{MODEL}/latest" and since <= float(r["msec"]) <= until}
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each daemon used so far."""
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for h in self.hosts:
-            if h.proc is not None and h.proc.poll() is None:
-                fields = Path(f"/proc/{h.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[h.id] = (int(fields[11]) + int(fields[12])) / tick
-        return out
-
-    def logs(self) -> str:
-        return self.tb.logs(3000)
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self, p: Published, cold: bool = False) -> FleetPlan:

@@ -51,7 +51,7 @@ def _shaper(args: argparse.Namespace, need_policy: bool) -> Shaper:
     if args.policy or need_policy:
 
         policy = load_policy(args.policy)
-        shaping, sources, state_dir = policy.shaping, policy.sources, policy.state_dir
+        shaping, sources, state_dir = policy.shaping, policy.shaped_sources, policy.state_dir
         if not need_policy:
             # show/clear look at what wagent made, even where shaping is now disabled.
             shaping = Shaping(**{**shaping.__dict__, "enabled": True})

@@ -249,6 +249,30 @@ class Mounts:
 
 
 @dataclass(frozen=True)
+class Peers:
+    """A cluster's nodes serve each other the pieces they have verified (``agent.peers``)."""
+
+    enabled: bool = False
+    # every node's piece server (``agent.peers.server``); its traffic is shaped both ways as
+    # distribution traffic (a serve port on egress, a pulled port on ingress)
+    port: int = field(default=8090, metadata={"unit": "port"})
+    listen: str = "0.0.0.0"
+    # the cluster's nodes (addresses or names; a name stands for every address it resolves to):
+    # the same list on every node, which finds itself in it by its own addresses
+    hosts: tuple[str, ...] = ()
+    # the peers each node exchanges with (agent.peers.swarm): it learns what they hold and
+    # fetches from them; more spread a piece in fewer hops, each costs a have-map long poll
+    neighbors: int = field(default=6, metadata={"min": 1, "max": 64})
+    # what serving peers may send, at most (a share of shaping.link_rate); the HTB egress class
+    # and the backoff cap it further
+    upload: int | Share = share_field(Share(100.0))
+    # a parent (or the cache) holds a request this long for a piece it is fetching itself;
+    # then the child asks the next one up
+    wait: float = duration_field(10.0, min=0.1, max=600.0)
+    connections: int = field(default=64, metadata={"min": 1, "max": 4096})
+
+
+@dataclass(frozen=True)
 class Control:
     socket: str = "/run/wagent/control.sock"
     group: str = "wagent"
@@ -271,6 +295,7 @@ class Policy:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     control: Control = field(default_factory=Control)
     mounts: Mounts = field(default_factory=Mounts)
+    peers: Peers = field(default_factory=Peers)
     state_dir: str = "/var/lib/wagent"
     # IANA name (Europe/Berlin) of the clock the role windows' cron fields are read on
     timezone: str = "UTC"
@@ -283,11 +308,29 @@ class Policy:
             object.__setattr__(self, "mounts", replace(
                 self.mounts, read_floor=resolve_rate(self.mounts.read_floor,
                                                      self.shaping.link_rate)))
+        if isinstance(self.peers.upload, Share):
+            object.__setattr__(self, "peers", replace(
+                self.peers, upload=resolve_rate(self.peers.upload, self.shaping.link_rate)))
+        if self.peers.enabled and self.shaping.enabled:
+            # Serving peers is distribution traffic on egress, and fetching from them on
+            # ingress: the same HTB classes, the same backoff.
+            sh = self.shaping
+            object.__setattr__(self, "shaping", replace(
+                sh, serve_ports=tuple(sorted({*sh.serve_ports, self.peers.port})),
+                pull_ports=tuple(sorted({*sh.pull_ports, self.peers.port})) if sh.pull_ports
+                else ()))
         if any(w.tz != self.timezone for r in self.roles for w in r.windows):
             # Every window reads its cron on the policy's clock: one place says which.
             object.__setattr__(self, "roles", tuple(
                 replace(r, windows=tuple(replace(w, tz=self.timezone) for w in r.windows))
                 for r in self.roles))
+
+    @property
+    def shaped_sources(self) -> tuple[Source, ...]:
+        """The sources whose ports the ingress tree matches: the policy's, and the peers'."""
+        if not self.peers.enabled:
+            return self.sources
+        return (*self.sources, Source(f"http://peers:{self.peers.port}"))
 
     def role(self, name: str) -> Role | None:
         return next((r for r in self.roles if r.name == name), None)

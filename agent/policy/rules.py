@@ -198,7 +198,7 @@ def _check_shaping_plan(p: Policy, b: Builder) -> None:
     if not p.shaping.enabled or any(k.startswith("shaping.") for k in b.bad) or b.issues:
         return
     try:
-        build_plan(p.shaping, p.sources)
+        build_plan(p.shaping, p.shaped_sources)
     except PlanError as e:
         key = str(e).split(":", 1)[0] if str(e).startswith("shaping.") else "shaping"
         b.error(b.line_of(key, b.line_of("shaping")), str(e))

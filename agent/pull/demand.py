@@ -47,6 +47,15 @@ class PieceSource(Protocol):
         ...
 
 
+    def fetching(self, blob: str, offset: int) -> bool:
+        """A stream of this pull is receiving the piece at ``offset`` now."""
+        ...
+
+    def verified_pieces(self, blob: str) -> frozenset[int]:
+        """The offsets of the pieces of ``blob`` verified (and journaled) so far."""
+        ...
+
+
 class Demand:
     """One per daemon (or per CLI pull): which pulls hold which blobs, and who waits."""
 
@@ -103,14 +112,43 @@ class Demand:
         with self._cond:
             return blob in self._sources
 
+    @property
+    def generation(self) -> int:
+        """Moves on at every piece verified, file landed, pull attached or detached."""
+        with self._cond:
+            return self._generation
+
+    def changed(self, after: int, timeout: float) -> int:
+        """Waits until the generation is past ``after`` (at most ``timeout`` s); returns it."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._generation != after, timeout)
+            return self._generation
+
+    def verified(self, blob: str) -> frozenset[int] | None:
+        """The verified pieces' offsets of a blob a pull is fetching; None if none is."""
+        with self._cond:
+            source = self._sources.get(blob)
+        return None if source is None else source.verified_pieces(blob)
+
+    def fetching(self, blob: str, piece: Piece) -> bool:
+        """A pull's stream is fetching ``piece`` now (it will land, or fail, without waiting
+        on anything a peer holds)."""
+        with self._cond:
+            source = self._sources.get(blob)
+        return source is not None and source.fetching(blob, piece.offset)
+
     def wait(self, blob: str, piece: Piece, deadline: float,
-             in_blob: Callable[[], bool], why_not: Callable[[], str]) -> str:
+             in_blob: Callable[[], bool], why_not: Callable[[], str],
+             waiting: bool = True) -> str:
         """Returns ``"blob"`` when the file is a blob (read it there), ``"part"`` when the piece
         is verified in the partial file. ``in_blob`` looks at the store; ``why_not`` says why
-        nothing comes (the model's pull state), for :class:`NotYet`'s message."""
+        nothing comes (the model's pull state), for :class:`NotYet`'s message. ``waiting``
+        False: the piece goes first in the pull's queue without stopping its other streams
+        (a peer's request: its bytes are for another node, not a reader here)."""
         asked = False
+        readers = 1 if waiting else 0       # a peer's wait lifts no floor (readers_waiting)
         with self._cond:
-            self.waiting += 1
+            self.waiting += readers
         try:
             while True:
                 if in_blob():
@@ -119,9 +157,9 @@ class Demand:
                     source = self._sources.get(blob)
                     seen = self._generation
                 if source is not None:
-                    if source.want(blob, piece):
+                    if source.want(blob, piece, waiting):
                         return "part"
-                    if not asked:
+                    if not asked and waiting:
                         asked = True
                         with self._cond:
                             self.wanted += 1
@@ -133,7 +171,7 @@ class Demand:
                         self._cond.wait(min(left, RECHECK))
         finally:
             with self._cond:
-                self.waiting -= 1
+                self.waiting -= readers
 
     def hint(self, blob: str, piece: Piece) -> None:
         """Ask for a piece without waiting (read-ahead): first in the queue, if a pull has it."""

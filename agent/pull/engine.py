@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -44,6 +45,7 @@ from agent.pull.credentials import CredentialsError
 from agent.pull.demand import Demand
 from agent.pull.errors import FetchError
 from agent.pull.options import PullOptions
+from agent.pull.swarm import Peers
 from agent.pull.transfer import (
     FREE_SPACE_HINT,
     FileState,
@@ -60,6 +62,9 @@ from agent.units import format_size
 from agent.yielding.ratelimit import TokenBucket
 
 T = TypeVar("T")
+# Streams of a pull with peers (agent.peers.swarm): one at most fetching from the sources (held
+# by the cache until it has the piece), the others from neighbours, a piece each at a time
+PEER_STREAMS = 3
 
 __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped", "StoreFull",
            "fetch_manifest", "pull_version", "resolve_latest"]
@@ -172,13 +177,18 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
                  manifest: tuple[bytes, Manifest] | None = None,
-                 connections: Connections, demand: Demand | None = None) -> PullResult:
+                 connections: Connections, demand: Demand | None = None,
+                 peers: Peers | None = None,
+                 offer: Callable[[Manifest, bytes], AbstractContextManager[None]] | None = None
+                 ) -> PullResult:
     """``manifest``: the version's manifest (its bytes, parsed) as :func:`fetch_manifest`
     returned it, when the caller has it already; else it is fetched here.
 
     ``connections``: the watchdog and pull sockets' registry its requests use (the daemon's or
     the CLI's, whose backoff loop clamps those sockets). ``demand``: where a lazy mount's readers
-    wait for pieces (``agent.pull.demand``), the daemon's."""
+    wait for pieces (``agent.pull.demand``), the daemon's. ``peers``: the cluster's nodes that
+    serve each other, asked for each piece before the sources (``agent.peers``); ``offer``:
+    serves this version to them while it is pulled (``agent.peers.catalog.Catalog.offering``)."""
     options = options or PullOptions()
     stop = stop or threading.Event()
     started = clock()
@@ -205,8 +215,9 @@ def pull_version(sources: Sequence[Source], model: str, version: str, store: Sto
                 else:
                     raw, m = manifest
                     _check_names(m, model, version, "the manifest given")
-                return _pull(sources, m, raw, store, options, bucket, progress, stop, clock,
-                             wall_clock, started, connections, demand)
+                with offer(m, raw) if offer is not None else contextlib.nullcontext():
+                    return _pull(sources, m, raw, store, options, bucket, progress, stop,
+                                 clock, wall_clock, started, connections, demand, peers)
         except _GaveBack as e:
             raise StoreFull(str(e)) from None    # given back already at this start: once
         except StoreFull as e:
@@ -232,7 +243,8 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
           options: PullOptions, bucket: TokenBucket | None,
           progress: Callable[[PullProgress], None] | None, stop: threading.Event,
           clock: Callable[[], float], wall_clock: Callable[[], float],
-          started: float, connections: Connections, demand: Demand | None) -> PullResult:
+          started: float, connections: Connections, demand: Demand | None,
+          peers: Peers | None = None) -> PullResult:
     blobs = store.blob_sizes()
     distinct = planning.distinct_files(m)
     # One descriptor claims every partial file of the pull; each file is opened only while a
@@ -277,12 +289,18 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
     planned = min(streams, PLANNED_ADAPTIVE) if options.adaptive else streams
     request_size = max(1, min(options.request_size, options.piece_size,
                               max(MIN_REQUEST, p.bytes_fetch // (8 * planned))))
+    if peers is not None:
+        # A piece is chosen by what the neighbours hold (agent.pull.picker), from whoever
+        # holds it: one piece per request, few streams (agent.peers.swarm).
+        request_size = 1
+        options = replace(options, adaptive=False)
+        streams = min(PEER_STREAMS, streams)
     options = replace(options, streams=streams, request_size=request_size)
-    transfer = Transfer(sources, store, m.model, m.version, files,
-                        planning.requests_for(p, request_size, tail=2 * planned),
+    requests = planning.requests_for(p, request_size, tail=2 * planned)
+    transfer = Transfer(sources, store, m.model, m.version, files, requests,
                         copies, options, bucket, stop,
                         on_file=lambda f, n: emit("file", f.path), clock=clock,
-                        connections=connections, demand=demand)
+                        connections=connections, demand=demand, peers=peers)
     base_done = p.bytes_present + p.bytes_done
     window: list[tuple[float, int]] = []
     emit_lock = threading.Lock()
@@ -300,6 +318,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 busy, verified = transfer.streams_busy, transfer.verified
                 landed, in_flight = transfer.files_done, transfer.in_flight
                 chosen, why = transfer.target, transfer.streams_why
+                by_source = dict(transfer.fetched_by)
             window.append((now, fetched))
             while len(window) > 2 and now - window[0][0] > 3.0:
                 window.pop(0)
@@ -309,7 +328,7 @@ def _pull(sources: Sequence[Source], m: Manifest, raw: bytes, store: Store,
                 progress(PullProgress(
                     m.model, m.version, event, p.bytes_total, base_done + verified, fetched,
                     reused, rate, busy, len(p.present) + landed, len(distinct), now - started,
-                    path, max(0, in_flight), chosen, why))
+                    path, max(0, in_flight), chosen, why, by_source))
             except Exception:
                 # Progress is for show: a display that fails must not fail the pull.
                 broken.append(True)

@@ -15,9 +15,11 @@ class FetchError(Exception):
     ``retry_after``: the seconds the source asked to be left alone (a 503 or 429 with
     ``Retry-After``), which the pull honours before it asks that source again."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None,
+                 status: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.status = status          # the HTTP status, when an answer came
 
 
 class ChangedError(FetchError):

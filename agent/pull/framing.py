@@ -51,7 +51,7 @@ def status_error(status: int, reason: str | None, headers: Mapping[str, str],
     """A response whose status is not the one asked for; a busy source says when to return."""
     after = retry_after(headers) if status in (429, 503) else None
     told = f" (Retry-After {after:.0f} s)" if after is not None else ""
-    return FetchError(f"{redact(url)}: HTTP {status} {reason}{told}", after)
+    return FetchError(f"{redact(url)}: HTTP {status} {reason}{told}", after, status)
 
 
 def content_length(headers: Mapping[str, str]) -> int | None:

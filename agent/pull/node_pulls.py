@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,11 +39,12 @@ from agent.durable import write_atomic
 from agent.hooks import run_hook
 from agent.identity import Identity
 from agent.manifest import MAX_MANIFEST_BYTES, Manifest, published_ts
-from agent.policy.model import Model, Policy
+from agent.policy.model import Model, Policy, Source
 from agent.pull import engine
 from agent.pull.connections import Connections
 from agent.pull.demand import Demand
 from agent.pull.options import PullOptions
+from agent.pull.swarm import Peers
 from agent.pull.transfer import RETRY_AFTER_CAP
 from agent.pull.worker import WindowState
 from agent.status import PullProgress
@@ -79,6 +81,10 @@ class NodePulls:
         # they show are never evicted. Set by the application once the mounts exist.
         self.demand: Demand | None = None
         self.mounted: Callable[[], Mapping[str, Collection[str]]] = dict
+        # The cluster's peers (``agent.peers``), set by the application when the policy has
+        # them: who to ask for each piece, and what this node serves while it pulls.
+        self.swarm: Callable[[], Peers | None] = lambda: None
+        self.offer: Callable[[Manifest, bytes], AbstractContextManager[None]] | None = None
 
     def update(self, policy: Policy, identity: Identity, store: Store) -> None:
         """A reload: the calls from now on read the new policy, role and store."""
@@ -88,6 +94,16 @@ class NodePulls:
     @property
     def cache_node(self) -> bool:
         return self.identity.role == self.policy.cache_role
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """Where this node fetches manifests and pieces: the policy's sources, but a cache node
+        fills the tier and never fetches from it (from itself, its piece server would hold the
+        request for the very version it is about to look for)."""
+        sources = self.policy.sources
+        if self.cache_node:
+            sources = tuple(s for s in sources if not s.cache) or sources
+        return sources
 
     def options(self) -> PullOptions:
         """The pulls' options, built from the policy's ``pulls`` once per policy."""
@@ -110,7 +126,7 @@ class NodePulls:
 
     def published(self, model: Model, version: str) -> float:
         """The version's publication time (rules 2 and 3)."""
-        raw, manifest = engine.fetch_manifest(self.policy.sources, model.name, version,
+        raw, manifest = engine.fetch_manifest(self.sources, model.name, version,
                                               self.options(), connections=self.connections)
         with self._lock:
             self._manifests[model.name] = (version, raw, manifest)
@@ -179,7 +195,7 @@ class NodePulls:
         m = self.store.installed(model.name, version)
         if m is not None:
             return m
-        return engine.fetch_manifest(self.policy.sources, model.name, version, self.options(),
+        return engine.fetch_manifest(self.sources, model.name, version, self.options(),
                                      connections=self.connections)[1]
 
     def local_version(self, model: Model) -> str | None:
@@ -203,13 +219,15 @@ class NodePulls:
              stop: threading.Event) -> None:
         """Pull the version (rules 3 and 4), then announce it on a cache node (rule 5)."""
         o = self.options()
-        o = replace(o, streams=max(1, o.streams // max(1, self.pulling())))
+        o = replace(o, streams=max(1, o.streams // max(1, self.pulling())),
+                    peer_wait=self.policy.peers.wait)
         with self._lock:
             held = self._manifests.pop(model.name, None)
         fetched = held[1:] if held is not None and held[0] == version else None
-        engine.pull_version(self.policy.sources, model.name, version, self.store, options=o,
+        engine.pull_version(self.sources, model.name, version, self.store, options=o,
                             bucket=self.bucket, progress=progress, stop=stop, manifest=fetched,
-                            connections=self.connections, demand=self.demand)
+                            connections=self.connections, demand=self.demand,
+                            peers=None if self.cache_node else self.swarm(), offer=self.offer)
         # The version is published and durable by now; the pull succeeded whatever happens in
         # the announcement.
         self.announce(model.name, version)

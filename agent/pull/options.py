@@ -25,6 +25,10 @@ class PullOptions:
     # True: the count chosen by measuring what each stream adds (agent.pull.stream_count), up
     # to ``streams`` (the policy's ``pulls.adaptive_streams``, ``wagent pull --no-adaptive``)
     adaptive: bool = True
+    # with peers: how long a piece no neighbour offers (and this node doesn't root) is waited
+    # for before the sources are asked, and a piece the cache can't send yet is asked of it
+    # again before the next source is (the policy's ``peers.wait``)
+    peer_wait: float = 10.0
     piece_size: int = 64 * 2**20        # publisher side; here only the cap of one request
     # Consecutive pieces batched into one Range request at most; a pull lowers it so that its
     # streams finish together (agent.pull.engine), and hands the transfer what it uses.

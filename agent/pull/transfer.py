@@ -19,6 +19,12 @@ are the authority on bytes, an ETag only a hint (a source whose ETags disagree i
 If-Range). Pieces copied from local blobs are verified too (read back from the partial): a blob
 that rotted on disk is fetched instead.
 
+With peers (``agent.peers``, the cluster's nodes serving each other), a few streams take the
+piece ``picker.pick`` chooses from what the neighbours' have-maps list (followed by a thread
+per neighbour, ``_watch_peer``): from a neighbour that holds it, or, for the pieces this node
+fetches first in its cluster, from the sources. A piece the cache can't send yet is put aside
+(``deferred``) rather than waited for on a stream.
+
 Descriptors follow the work, not the version: a stream opens the part file and journal of the
 file its request is for and closes them when the request ends (``Partial.opened``), the copier
 keeps one partial file and a few local blobs open, so a version of any number of files is pulled
@@ -30,8 +36,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import hashlib
+import json
 import logging
+import math
 import os
 import random
 import threading
@@ -50,8 +59,10 @@ from agent.pull.errors import ChangedError, FetchError, NoRangesError
 from agent.pull.goodput import Arrivals, Meter
 from agent.pull.landing import Landing
 from agent.pull.options import PullOptions
+from agent.pull.picker import SOURCES, pick
 from agent.pull.plan import Copy, RangeRequest, near_end, take_next, take_piece
 from agent.pull.stream_count import StreamCount
+from agent.pull.swarm import Peers
 from agent.redact import redact
 from agent.store import Store
 from agent.store.partial import Partial
@@ -59,6 +70,15 @@ from agent.units import format_size
 from agent.yielding.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
+# A neighbour that failed a request (down, a broken answer) is not asked again for this long
+# by this pull, and its have-map is forgotten until it answers again.
+PEER_SKIP = 3.0
+# A piece nobody offers once the swarm has stood still for peers.wait / ORPHAN_STEPS is fetched
+# from the sources by the next in line after its root, then the one after (agent.pull.picker).
+ORPHAN_STEPS = 5
+PEER_BUSY = 0.1            # a neighbour sending others pieces (429) is asked again after this
+HAVE_LIMIT = 4 << 20       # a have-map's size at most (bits per piece, per file)
+HAVE_RETRY = 1.0           # a neighbour whose have-map failed is asked again after this
 # The longest Retry-After honoured: a source that asks for more is asked again after this, so
 # a pull still fails within its rounds (``retries``) rather than sleeping on a server's word;
 # the daemon's stall limit (agent.pull.node_pulls) allows for it.
@@ -102,6 +122,12 @@ class FileState:
     partial: Partial
     remaining: int
 
+    @functools.cached_property
+    def index(self) -> dict[int, int]:
+        """A piece's offset -> its number in the file (its place in line for the sources is
+        counted from it, ``agent.peers.swarm``)."""
+        return {p.offset: i for i, p in enumerate(self.pieces)}
+
 
 class Transfer:
     """The streams of one pull of ``model``/``version``. ``options``: the pull's, with the
@@ -113,8 +139,33 @@ class Transfer:
                  bucket: TokenBucket | None, stop: threading.Event,
                  on_file: Callable[[FileState, int], None],
                  clock: Callable[[], float] = time.monotonic, *,
-                 connections: Connections, demand: Demand | None = None) -> None:
+                 connections: Connections, demand: Demand | None = None,
+                 peers: Peers | None = None) -> None:
+        # The policy's sources, then (when the cluster's nodes serve each other) every peer.
+        # With peers, each piece is chosen by what the neighbours hold (``picker.pick``) and
+        # fetched from one of them, or (the pieces this node roots) from the sources in order.
         self.sources = list(sources)
+        self.own_sources = len(self.sources)
+        self.peers = peers
+        if peers is not None:
+            self.sources += [Source(url) for url in peers.urls]
+        # neighbour (index into peers.urls) -> the pieces its have-map lists (under cond)
+        self.holds: dict[int, set[tuple[str, int]]] = {}
+        self.peer_free_at: dict[int, float] = {}   # neighbour -> when it may be asked again
+        self.peer_asked: dict[int, float] = {}     # neighbour -> when it was last asked
+        self.chosen: dict[int, int | None] = {}    # stream -> the neighbour its piece is from
+        # bytes received by kind of source: "peer", "cache", "origin" (under cond)
+        self.fetched_by: dict[str, int] = {}
+        # Pieces the cache is fetching still, or can't send yet (it sends one at a time to
+        # its cluster): put aside rather than waited for on a stream, (when to ask again, the
+        # request); and when each was first put aside and how often: after ``peer_wait`` the
+        # next source is asked (under cond).
+        self.deferred: list[tuple[float, RangeRequest]] = []
+        self.deferred_since: dict[tuple[str, int], tuple[float, int]] = {}
+        self.peer_wait = options.peer_wait
+        # the last time a neighbour's have-map grew or a piece landed here: a piece nobody
+        # offers is fetched from the sources once the swarm has stood still for peer_wait
+        self.progressed = clock()
         self.store = store
         self.model = model
         self.version = version
@@ -156,7 +207,8 @@ class Transfer:
         # windows close within a round trip), so the piece comes at the link's rate, not at one
         # stream's share of it; a piece already in flight when a reader asks is boosted so too
         self.boosted: set[int] = set()
-        self.fetching: dict[int, RangeRequest] = {}
+        self.fetching_now: dict[int, RangeRequest] = {}
+        self.receiving_now: dict[int, tuple[str, int]] = {}   # stream -> the piece it receives
         # How many streams run (under cond): all of ``streams``, or as many as measuring what
         # each adds says (``agent.pull.stream_count``); a stream numbered at or past it ends
         # after its request, and one is started for each number under it not running.
@@ -168,6 +220,8 @@ class Transfer:
         self._local = threading.local()   # .arrived: this stream's counter in ``arrivals``
         self.target = self.chooser.count if self.chooser is not None else options.streams
         self.streams_why = self.chooser.reason if self.chooser is not None else \
+            f"{options.streams} (peers: a piece at a time from each neighbour)" \
+            if peers is not None else \
             f"{options.streams} (fixed: pulls.adaptive_streams is off)"
         self._running: set[int] = set()
         self._landing: Landing[FileState] | None = None     # while ``run`` runs
@@ -221,9 +275,22 @@ class Transfer:
                 self.cond.notify_all()
             return False
 
+    def fetching(self, blob: str, offset: int) -> bool:
+        """For a peer's request (``agent.peers.server``): a stream is receiving this piece
+        now (not merely holding a request that reaches it later: that can take as long as
+        the request's other pieces)."""
+        with self.cond:
+            return (blob, offset) in self.receiving_now.values()
+
+    def verified_pieces(self, blob: str) -> frozenset[int]:
+        """For a neighbour's have-map (``agent.peers.server``): pieces verified and journaled."""
+        with self.cond:
+            f = self.files.get(blob)
+            return frozenset(f.partial.done) if f is not None else frozenset()
+
     def _boost_locked(self, blob: str, offset: int) -> None:
         """The stream fetching this piece now (if one is) goes on alone (``_yield_to_urgent``)."""
-        for tid, r in self.fetching.items():
+        for tid, r in self.fetching_now.items():
             if r.blob == blob and r.pieces[0].offset <= offset <= r.pieces[-1].offset:
                 self.boosted.add(tid)
                 return
@@ -235,9 +302,15 @@ class Transfer:
                                             name="pull-urgent", daemon=True))
         copier = threading.Thread(target=self._copy_all, name="pull-copy", daemon=True)
         landing = self._landing = Landing(self._piece_done, self._landing_failed)
+        watching = threading.Event()
+        if self.peers is not None:
+            for n in self.peers.neighbors:
+                threading.Thread(target=self._watch_peer, args=(n, watching),
+                                 name=f"pull-have-{n}", daemon=True).start()
         try:
             self._run_threads(tick, interval, workers, copier)
         finally:
+            watching.set()
             landing.close()       # every verified piece is journaled, even when the pull failed
         if self.error is not None:
             raise self.error
@@ -346,36 +419,107 @@ class Transfer:
             self.cond.notify_all()
 
     def _next(self, index: int, urgent_only: bool = False) -> RangeRequest | None:
-        """The next request: a reader's first (``urgent``), then the planned ones; only a
-        reader's for the stream that serves nothing else. None once the work has run out, or
-        for stream ``index`` once the count (``target``) is at or under it."""
+        """The next request: a reader's first (``urgent``), then the planned ones (with
+        peers, the one ``_pick_locked`` chooses); only a reader's for the stream that serves
+        nothing else. None once the work has run out, or for stream ``index`` once the count
+        (``target``) is at or under it."""
         with self.cond:
-            while self.error is None and not self.stop.is_set() and not self.urgent and (
-                    (not self.queue and self.active > 0)
-                    or (urgent_only and (self.queue or self.active > 0))) \
-                    and (urgent_only or index < self.target):
-                self.cond.wait(0.2)
-            if self.error is not None or self.stop.is_set() or (
-                    not urgent_only and index >= self.target):
-                self._running.discard(index)
-                return None
-            if self.urgent:
-                req, waited = self.urgent.popleft()
-                if waited:
-                    self.boosted.add(threading.get_ident())
-            elif self.queue and not urgent_only:
-                req = take_next(self.queue, self.target)
-            else:
-                self._running.discard(index)
-                return None
-            self.fetching[threading.get_ident()] = req
-            self.active += 1
-            return req
+            while True:
+                while True:
+                    wake = self._undefer_locked()
+                    if not (self.error is None and not self.stop.is_set()
+                            and not self.urgent and (
+                                (not self.queue and (self.active > 0 or self.deferred))
+                                or (urgent_only and (self.queue or self.active > 0)))
+                            and (urgent_only or index < self.target)):
+                        break
+                    self.cond.wait(min(0.2, wake))
+                if self.error is not None or self.stop.is_set() or (
+                        not urgent_only and index >= self.target):
+                    self._running.discard(index)
+                    return None
+                if self.urgent:
+                    req, waited = self.urgent.popleft()
+                    if waited:
+                        self.boosted.add(threading.get_ident())
+                elif self.queue and not urgent_only and self.peers is not None:
+                    picked = self._pick_locked()
+                    if picked is None:
+                        # Nothing a neighbour offers yet, nothing this node roots: wait for
+                        # a have-map to change (notified), a deferred request's time or a
+                        # busy neighbour's.
+                        now = self.clock()
+                        free = [t - now for t in self.peer_free_at.values() if t > now]
+                        self.cond.wait(min([1.0, self._undefer_locked(), *free]))
+                        continue
+                    req = picked
+                elif self.queue and not urgent_only:
+                    req = take_next(self.queue, self.target)
+                else:
+                    self._running.discard(index)
+                    return None
+                self.fetching_now[threading.get_ident()] = req
+                self.active += 1
+                return req
+
+    def _pick_locked(self) -> RangeRequest | None:
+        """With peers: the queued request ``picker.pick`` chooses, taken out of the queue, its
+        source remembered for the stream (``chosen``); None when none can go now."""
+        assert self.peers is not None
+        peers = self.peers
+        needed = [(r.blob, r.pieces[0].offset) for r in self.queue]
+        now = self.clock()
+        choice = pick(needed, self.holds,
+                      free=lambda n: self.peer_free_at.get(n, 0.0) <= now
+                      and n not in self.chosen.values(),
+                      rank=lambda p: None if SOURCES in self.chosen.values()
+                      else peers.rank(p[0], self.files[p[0]].index[p[1]]),
+                      waited=now - self.progressed, patience=self.peer_wait / ORPHAN_STEPS,
+                      last_asked=self.peer_asked)
+        if choice is None:
+            return None
+        (blob, offset), source = choice
+        for k, r in enumerate(self.queue):
+            if r.blob == blob and r.pieces[0].offset == offset:
+                del self.queue[k]
+                self.chosen[threading.get_ident()] = source
+                return r
+        return None
+
+    def _undefer_locked(self) -> float:
+        """Deferred requests whose time has come go first in the queue; returns the seconds
+        until the next one's."""
+        if not self.deferred:
+            return 1.0
+        now = self.clock()
+        ready = [r for at, r in self.deferred if at <= now]
+        if ready:
+            self.deferred = [(at, r) for at, r in self.deferred if at > now]
+            self.queue.extendleft(reversed(ready))
+        return max(0.005, min((at for at, _ in self.deferred), default=now + 1.0) - now)
+
+    def _defer(self, req: RangeRequest, limit: float) -> bool:
+        """Put a request aside whose parents are fetching it still (or are about to); False
+        once it has waited ``limit`` (the sources are asked then)."""
+        key = (req.blob, req.pieces[0].offset)
+        now = self.clock()
+        with self.cond:
+            since, times = self.deferred_since.get(key, (now, 0))
+            if now - since >= limit:
+                return False
+            self.deferred_since[key] = (since, times + 1)
+            # 20 ms, doubling to 0.5 s: soon after the parent has it, without asking a
+            # thousand times a second
+            self.deferred.append((now + min(0.1, 0.01 * 2 ** times), req))
+            self.cond.notify_all()
+        return True
 
     def _release(self) -> None:
         with self.cond:
             self.active -= 1
-            self.fetching.pop(threading.get_ident(), None)
+            self.fetching_now.pop(threading.get_ident(), None)
+            self.chosen.pop(threading.get_ident(), None)
+            self.receiving_now.pop(threading.get_ident(), None)
             self.boosted.discard(threading.get_ident())
             self.cond.notify_all()
 
@@ -471,12 +615,22 @@ class Transfer:
         f = self.files[req.blob]
         # Landed pieces leave from the front: a deque, as a request may hold thousands.
         pieces = collections.deque(req.pieces)
+        if self.peers is not None:
+            with self.cond:
+                peer = self.chosen.get(threading.get_ident(), SOURCES)
+            if peer is not SOURCES:
+                self._fetch_peer(peer, req, f, pieces, clients)
+                return preferred
         failures: list[str] = []
         rounds = 0
+        # the cache is fetching the piece itself (503: asked again for up to peer_wait) or is
+        # sending another piece (429: asked again for as long as that takes)
+        pending: float | None = None
+        own = self.own_sources
         while pieces:
             before = len(pieces)
             asked = 0.0       # the longest Retry-After a busy source gave in this round
-            order = [(preferred + k) % len(self.sources) for k in range(len(self.sources))]
+            order = [(preferred + k) % own for k in range(own)]
             with self.cond:
                 order = [i for i in order if i not in self.no_ranges]
                 if not order:
@@ -485,13 +639,13 @@ class Transfer:
             for i in order:
                 if not pieces:
                     return i
+                if pending is not None and self._defer(RangeRequest(req.blob, tuple(pieces)),
+                                                       pending):
+                    pieces.clear()         # asked again later, from the queue
+                    return preferred
                 if self.stop.is_set() or self.error is not None:
                     return preferred
-                client = clients.get(i)
-                if client is None:
-                    # With the stop event: a stop cuts the request in flight at once.
-                    client = clients[i] = Client(self.sources[i], self.s.timeouts,
-                                                 connections=self.connections, stop=self.stop)
+                client = self._client(clients, i)
                 try:
                     with self.cond:
                         self.streams_busy += 1
@@ -509,11 +663,22 @@ class Transfer:
                     if first:
                         log.warning("%s", e)
                 except FetchError as e:
+                    if self.sources[i].cache and e.status in (429, 503) \
+                            and e.retry_after is not None:
+                        # The cache is fetching the piece, or sending another: asked again
+                        # soon, not the origin, unless that takes peers.wait.
+                        log.debug("the cache can't send it yet: %s", e)
+                        pending = math.inf if e.status == 429 else self.peer_wait
+                        continue
                     log.info("piece fetch failed, trying the next source: %s", e)
                     failures.append(str(e))
                     asked = max(asked, min(e.retry_after or 0.0, RETRY_AFTER_CAP))
             if len(pieces) < before:
                 continue                  # pieces landed this round: not a failed round
+            if pending is not None and self._defer(RangeRequest(req.blob, tuple(pieces)),
+                                                   pending):
+                pieces.clear()
+                return preferred
             rounds += 1
             if rounds > self.s.retries:
                 raise PullError(f"{f.path}: bytes {pieces[0].offset}+ failed on every source "
@@ -525,6 +690,83 @@ class Transfer:
             if self.stop.wait(wait):
                 return preferred
         return preferred
+
+    def _client(self, clients: dict[int, Client], i: int) -> Client:
+        client = clients.get(i)
+        if client is None:
+            # With the stop event: a stop cuts the request in flight at once.
+            client = clients[i] = Client(self.sources[i], self.s.timeouts,
+                                         connections=self.connections, stop=self.stop)
+        return client
+
+    def _fetch_peer(self, n: int, req: RangeRequest, f: FileState,
+                    pieces: collections.deque[Piece], clients: dict[int, Client]) -> None:
+        """A piece from neighbour ``n``, which listed it (``pick``). Whatever fails, the
+        piece goes back in the queue and ``n``'s state says why: sending to another node
+        (429: asked again in a moment), the piece not there after all (503/404: its listing
+        forgets it), down or failing (left alone for ``PEER_SKIP``)."""
+        i = self.own_sources + n
+        now = self.clock()
+        try:
+            with self.cond:
+                self.streams_busy += 1
+                self.peer_asked[n] = now
+            try:
+                self._fetch_from(i, self._client(clients, i), f, pieces)
+            finally:
+                with self.cond:
+                    self.streams_busy -= 1
+        except FetchError as e:
+            log.debug("neighbour %s: %s", self.sources[i].url, e)
+            with self.cond:
+                if e.status == 429:
+                    self.peer_free_at[n] = self.clock() + PEER_BUSY
+                elif e.status in (404, 503):
+                    have = self.holds.get(n)
+                    if have is not None and pieces:
+                        have.discard((f.blob, pieces[0].offset))
+                else:
+                    self.peer_free_at[n] = self.clock() + PEER_SKIP
+                    self.holds.pop(n, None)
+        finally:
+            if pieces and not self.stop.is_set():
+                with self.cond:
+                    self.queue.appendleft(RangeRequest(req.blob, tuple(pieces)))
+                    self.cond.notify_all()
+                pieces.clear()
+
+    # -- neighbours' have-maps (peers) ----------------------------------------------------------
+    def _watch_peer(self, n: int, stop: threading.Event) -> None:
+        """Follows neighbour ``n``'s have-map for this version (a long poll): which of the
+        pieces this pull needs it holds verified. Nothing is trusted from it but as a hint of
+        where to ask: every piece is still verified here."""
+        i = self.own_sources + n
+        url = url_for(self.sources[i], ".wagent", "have", self.model, self.version)
+        client = Client(self.sources[i], self.s.timeouts, connections=self.connections,
+                        stop=stop)
+        gen = -1
+        try:
+            while not stop.is_set():
+                try:
+                    raw = client.get_small(f"{url}?after={gen}", HAVE_LIMIT)
+                    doc = json.loads(raw)
+                    gen = int(doc["gen"])
+                    have = _have_pieces(doc["have"], self.files)
+                except (FetchError, CredentialsError, ValueError, KeyError, TypeError,
+                        AttributeError) as e:
+                    log.debug("neighbour %s's have-map: %s", self.sources[i].url, e)
+                    with self.cond:
+                        self.holds.pop(n, None)
+                    gen = -1
+                    stop.wait(HAVE_RETRY)
+                    continue
+                with self.cond:
+                    if not have <= self.holds.get(n, set()):
+                        self.progressed = self.clock()
+                    self.holds[n] = have
+                    self.cond.notify_all()
+        finally:
+            client.close()
 
     def _fetch_from(self, si: int, client: Client, f: FileState,
                     pieces: collections.deque[Piece]) -> None:
@@ -560,8 +802,9 @@ class Transfer:
         if meter is not None:
             with self.cond:
                 self.meters.add(meter)
+        kind = "peer" if si >= self.own_sources else "cache" if source.cache else "origin"
         try:
-            self._receive(url, f, body, pieces, offset)
+            self._receive(url, f, body, pieces, offset, kind)
         except _Mismatch as e:
             with self.cond:
                 seen = self.etags_ignored.get(si)
@@ -576,11 +819,14 @@ class Transfer:
             body.close()
 
     def _receive(self, url: str, f: FileState, body: Generator[memoryview, None, None],
-                 pieces: collections.deque[Piece], pos: int) -> None:
+                 pieces: collections.deque[Piece], pos: int, kind: str = "origin") -> None:
         piece = pieces[0]
         h = hashlib.sha256()
         left = piece.size
         pending = 0             # bytes received that no verified piece accounts for yet
+        me = threading.get_ident()
+        with self.cond:
+            self.receiving_now[me] = (f.blob, piece.offset)
         try:
             for data in body:
                 n = len(data)
@@ -589,6 +835,7 @@ class Transfer:
                     self.bucket.consume(n, self.stop)
                 with self.cond:
                     self.fetched += n
+                    self.fetched_by[kind] = self.fetched_by.get(kind, 0) + n
                     self.in_flight += n
                 pending += n
                 f.partial.write(pos, data)
@@ -609,11 +856,14 @@ class Transfer:
                     pieces.popleft()
                     if pieces:
                         piece, h, left = pieces[0], hashlib.sha256(), pieces[0].size
+                        with self.cond:
+                            self.receiving_now[me] = (f.blob, piece.offset)
                 if self.stop.is_set() or self.error is not None:
                     return
         finally:
             with self.cond:
                 self.in_flight -= pending
+                self.receiving_now.pop(me, None)
 
     def _ignore_etags(self, si: int, seen: str) -> None:
         """Source ``si`` gave two ETags for one file: no more If-Range to it (every answer
@@ -647,6 +897,7 @@ class Transfer:
             if piece.offset in f.partial.done:
                 return                    # landed twice: count it once
             f.partial.record_piece(piece.offset, piece.size, piece.sha256)
+            self.progressed = self.clock()
             self.verified += piece.size
             f.remaining -= 1
             last = f.remaining == 0
@@ -742,3 +993,20 @@ def copy_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) 
             view, dst_offset = view[n:], dst_offset + n
         left, src_offset = left - len(data), src_offset + len(data)
     return size
+
+
+def _have_pieces(have: object, files: dict[str, FileState]) -> set[tuple[str, int]]:
+    """A neighbour's have-map (blob id -> hex bitmap, ``agent.peers.server``) as the pieces
+    of this pull's files it lists."""
+    if not isinstance(have, dict):
+        raise ValueError("a have-map is an object")
+    out: set[tuple[str, int]] = set()
+    for blob, hexbits in have.items():
+        f = files.get(blob)
+        if f is None:
+            continue
+        bits = bytes.fromhex(hexbits)
+        for i, p in enumerate(f.pieces):
+            if i // 8 < len(bits) and bits[i // 8] & (0x80 >> (i % 8)):
+                out.add((blob, p.offset))
+    return out

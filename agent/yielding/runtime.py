@@ -196,8 +196,8 @@ class ShapingRuntime:
 
     # -- inside ----------------------------------------------------------------------------
     def _sources(self, policy: Policy) -> tuple[Source, ...]:
-        known = {s.url for s in policy.sources}
-        return (*policy.sources, *(s for s in self.extra_sources if s.url not in known))
+        known = {s.url for s in policy.shaped_sources}
+        return (*policy.shaped_sources, *(s for s in self.extra_sources if s.url not in known))
 
     def _apply(self, new: Policy, old: Policy | None) -> None:
         was = old.shaping if old is not None and old.shaping.enabled else None

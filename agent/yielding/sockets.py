@@ -72,6 +72,10 @@ TCP_RMEM = "/proc/sys/net/ipv4/tcp_rmem"
 # clamp from the buffer, which ``sample`` learns from.
 DEFAULT_SCALE = 0.5
 LEARN_EVERY = 10                 # samples between looks at what the kernel did with the clamp
+# A socket that received nothing for this long no longer counts among those the windows share
+# the rate by; one that starts again holds its last window (a share among one more socket) until
+# the next sample, a backoff tick later.
+ACTIVE_FOR = 1.0
 
 DEFAULT_MSS = 1448               # 1500-byte MTU, IPv4, TCP timestamps
 MIN_SEGMENTS = 4                 # never clamp below this many segments: fewer stalls on a loss
@@ -156,10 +160,13 @@ def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
 
 
 class _Entry:
-    __slots__ = ("ref", "peer", "base", "applied", "received", "mss")
+    __slots__ = ("ref", "peer", "base", "applied", "received", "mss", "active_until")
 
-    def __init__(self, ref: weakref.ref[socket.socket], peer: str) -> None:
+    def __init__(self, ref: weakref.ref[socket.socket], peer: str, now: float) -> None:
         self.ref = ref
+        # until when it counts among the sockets the rate is shared by: a new one, and one
+        # that received bytes within ACTIVE_FOR (sampled each backoff tick)
+        self.active_until = now + ACTIVE_FOR
         self.peer = peer                 # the remote address ("" if unknown)
         self.base: float | None = None   # the base RTT its window was sized for (seconds)
         self.applied: int | None = None  # the window set on it (None: the kernel's own)
@@ -228,7 +235,7 @@ class PullSockets:
                 return                           # already known (a connect() called twice)
             if info is not None and info.min_rtt_us:
                 self.bases.observe(peer, info.min_rtt_us / 1e6, self.clock())
-            self._entries[key] = _Entry(ref, peer)
+            self._entries[key] = _Entry(ref, peer, self.clock())
             self._apply_locked()
 
     # -- the backoff loop's side ---------------------------------------------------------------
@@ -265,6 +272,8 @@ class PullSockets:
                     continue
                 infos.append(info)
                 if info.bytes_received is not None:
+                    if info.bytes_received > entry.received:
+                        entry.active_until = now + ACTIVE_FOR
                     entry.received = info.bytes_received
                 if info.min_rtt_us:
                     self.bases.observe(entry.peer, info.min_rtt_us / 1e6, now)
@@ -274,7 +283,7 @@ class PullSockets:
             total = self._gone_bytes + sum(e.received for _, e in live)
             for _, entry in live:
                 self._dirty |= self._rebase_locked(entry, now)
-            if self._dirty or len(live) != self._applied_n:
+            if self._dirty or _active(live, now) != self._applied_n:
                 self._apply_locked(live)
             window = self._window
         return StreamsSample(len(infos), _min_of(i.min_rtt_us for i in infos),
@@ -326,8 +335,12 @@ class PullSockets:
     def _apply_locked(self, live: list[tuple[socket.socket, _Entry]] | None = None) -> None:
         self._dirty = False
         live = self._live_locked() if live is None else live
-        self._applied_n = len(live)
         now = self.clock()
+        # Shared among the sockets that carry bytes, not every one open: a pull's connection
+        # pools keep idle sockets (one per source a stream has used; with peers, one per
+        # neighbour, and the have-maps' long polls), and counting them cut each busy socket's
+        # window to a fraction of its share.
+        self._applied_n = _active(live, now)
         most = self.most if self._guarded else None
         largest: int | None = None
         for sock, entry in live:
@@ -337,7 +350,7 @@ class PullSockets:
                 info = _tcp_info(sock)
                 entry.mss = info.advmss if info is not None and info.advmss else DEFAULT_MSS
             # Each socket carries its share of the rate over its own path's round trip.
-            window = window_for(self._rate, entry.base, len(live), mss=entry.mss,
+            window = window_for(self._rate, entry.base, self._applied_n, mss=entry.mss,
                                 budget_s=self.budget_s, most=most)
             if window is not None:
                 largest = max(largest or 0, window)
@@ -411,3 +424,6 @@ def _median(values: Iterable[int | None]) -> int | None:
     vals = sorted(v for v in values if v is not None)
     return vals[len(vals) // 2] if vals else None
 
+
+def _active(live: list[tuple[socket.socket, _Entry]], now: float) -> int:
+    return max(1, sum(1 for _, e in live if e.active_until > now))

@@ -89,7 +89,7 @@ def test_fleet_example_and_schema_document_every_key():
     for cls in (Policy, policy_model.Role, policy_model.Window, policy_model.Waves,
                 policy_model.Source, policy_model.Model, policy_model.StoreSettings,
                 policy_model.Pulls, policy_model.Shaping, policy_model.Backoff,
-                policy_model.MetricsSettings,
+                policy_model.MetricsSettings, policy_model.Peers,
                 policy_model.Control):
         for f in dataclasses.fields(cls):
             if f.metadata.get("yaml", True) and not f.metadata.get("key"):

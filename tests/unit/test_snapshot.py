@@ -7,6 +7,7 @@ import time
 from agent.application import mounts_for, worker_deps
 from agent.identity import Identity
 from agent.parts import Parts
+from agent.peers.service import PeerService
 from agent.policy.model import Backoff, Model, Policy, Shaping, StoreSettings
 from agent.pull.connections import Connections
 from agent.pull.demand import Demand
@@ -129,11 +130,12 @@ def test_the_summary_reads_memory_where_the_snapshot_dumps_tc_and_walks_the_stor
     worker = Worker(policy, worker_deps(pulls))
     shaping = ShapingRuntime(policy, bucket, sockets=connections.sockets,
                              make_shaper=CountingShaper)
-    mounts = mounts_for(lambda: policy, lambda: store, pulls, worker, Demand(time.monotonic),
+    demand = Demand(time.monotonic)
+    mounts = mounts_for(lambda: policy, lambda: store, pulls, worker, demand,
                         time.time, time.monotonic)
     parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                   pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,
-                  mounts=mounts)
+                  mounts=mounts, peers=PeerService(policy, lambda: store, demand, None))
     shaping.start()
     try:
         (shaper,) = MADE[-1:]

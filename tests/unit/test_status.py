@@ -62,7 +62,8 @@ def test_schema_fields_and_healthy():
     assert doc["schema"] == SCHEMA == 1
     assert doc["running"] is True
     assert set(doc) == {"schema", "running", "generated_at", "health", "problems", "daemon", "node",
-                        "policy", "shaping", "backoff", "pulls", "window", "store", "mounts"}
+                        "policy", "shaping", "backoff", "pulls", "window", "store", "mounts",
+                        "peers"}
     assert doc["health"] == "healthy" and exit_code(doc) == EXIT_HEALTHY
     assert doc["daemon"]["uptime_s"] == 3600
     assert doc["daemon"]["jobs"] == [{"id": "metrics", "next_run_at": None},

@@ -1,0 +1,225 @@
+"""Benchmark: a cluster whose nodes serve each other (tests/peer_bed.py), against the cache tree.
+
+One cluster of a cache node and N nodes on one switch, every host a real `wagent run`, every
+link shaped both ways (40 Mbit/s by default, the cache's too), the origin behind a faster link.
+A model's first version (a few tens of MiB) is published with `cache_lead: 0`: neither design
+gets time for the cache to fill first. For each N and design, the table gives:
+
+* last node done over S / B: the last node's finish after publication, over the version's size
+  over one link's rate (the tree: about N; target with peers <= 1.5 at every N);
+* copies sent by the cache (the tree: N; target <= 1.5);
+* copies sent by the origin (target 1.000);
+* bytes each node got from peers, the cache and the origin (status ``bytes_by_source``).
+
+Rows: ``tree`` (nginx over the cache's store, as before peers) and ``peers`` (the shipped
+defaults with peers on). ``--kill`` also kills one node mid-pull in the peers rows and checks
+that the others finish with every file's sha256 right.
+
+    python tests/bench/peers.py [--nodes 8,16,24] [--size 24MiB] [--designs tree,peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINING_PORT = 29500
+sys.path.insert(0, str(ROOT))
+
+
+def run(
+    n: int,
+    design: str,
+    size: int,
+    link: str,
+    kill: bool,
+    verbose: bool = False,
+    streams: int | None = None,
+    cache_lead: str = "0s",
+    neighbors: int = 6,
+    training: bool = False,
+) -> dict[str, float | str]:
+    from agent.units import parse_duration, parse_rate
+    from tests import modelgen
+    from tests.peer_bed import MODEL, PeerCluster, PeerSpec
+    from tests.testbed import Testbed
+
+    with Testbed() as tb:
+        c = PeerCluster(
+            tb,
+            PeerSpec(
+                nodes=n,
+                link=link,
+                design=design,
+                streams=streams,
+                cache_lead=cache_lead,
+                neighbors=neighbors,
+                debug=verbose,
+            ),
+        )
+        try:
+            c.start()
+            # The model's first version, small: its origin copies are a row of their own;
+            # after it every daemon polls in its rhythm (a poll that found no version at all
+            # retries later, which would skew the start of the one timed).
+            p0 = c.publish(
+                "v0", lambda d: modelgen.generate_sized(d, 2 << 20, shards=1, seed=n + 1000)
+            )
+            c.wait_done("v0", 120)
+            first_copies = c.origin_bytes("v0") / p0.size
+            idle0 = _cpu(c)
+            time.sleep(5)
+            idle1 = _cpu(c)
+            idle = (sum(idle1.values()) - sum(idle0.values())) / 5
+            alone = None
+            if training:
+                tb.iperf3_server(c.origin_host, TRAINING_PORT)
+                alone = tb.iperf3(c.nodes[0].host, c.origin_ip, TRAINING_PORT, seconds=5).bps
+            cpu0 = _cpu(c)
+            served0 = int(((c.status(c.cache) or {}).get("peers") or {}).get("served_bytes", 0))
+            p = c.publish("v1", lambda d: modelgen.generate_sized(d, size, shards=4, seed=n))
+            flow = None
+            if training:
+                deadline = time.monotonic() + 30
+                while not c.pull(c.nodes[0]).get("bytes_done") \
+                        or c.pull(c.nodes[0]).get("version") != "v1":
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
+                flow = tb.iperf3_start(c.nodes[0].host, c.origin_ip, TRAINING_PORT, seconds=5)
+            killed = None
+            if kill and design == "peers":
+                time.sleep(0.5 * size * 8 / parse_rate(link))
+                killed = c.nodes[len(c.nodes) // 2]
+                c.kill(killed)
+            alive = [h for h in c.nodes if h is not killed]
+            kept = flow.result().bps / alone if flow is not None and alone else None
+            if verbose:
+                trace: dict[str, list[str]] = {h.id: [] for h in [c.cache, *alive]}
+                t_end = time.time() + 40
+                while time.time() < t_end:
+                    busy = False
+                    for h in [c.cache, *alive]:
+                        q = c.pull(h)
+                        v1 = q.get("version") == "v1"
+                        mb = int(q.get("bytes_done") or 0) >> 20 if v1 else 0
+                        trace[h.id].append(f"{mb:3d}")
+                        busy |= not v1 or q.get("state") != "done"
+                    if not busy:
+                        break
+                    time.sleep(0.5)
+                for k, v in trace.items():
+                    print(f"    {k:6s}", " ".join(v))
+                for h in [c.cache, *alive]:
+                    print(f"    {h.id} peers:", (c.status(h) or {}).get("peers"))
+            done = c.wait_done(
+                "v1", 60 + 3 * n * size * 8 / parse_rate(link), hosts=[c.cache, *alive]
+            )
+            cpu1 = _cpu(c)
+            last = max(float(done[h.id]["finished_at"]) for h in alive)
+            # From the first start in the cluster: a node that polled before the version
+            # existed retries its poll later (the worker's backoff), which is no part of this.
+            first = min(float(done[h.id]["started_at"]) for h in [c.cache, *alive])
+            if cache_lead != "0s":
+                first = min(float(done[h.id]["started_at"]) for h in alive)
+            first = min(first, p.published + parse_duration(cache_lead))
+            if verbose:
+                for h in [c.cache, *alive]:
+                    d = done[h.id]
+                    print(
+                        f"    {h.id}: start {float(d['started_at']) - p.published:6.2f} "
+                        f"done {float(d['finished_at']) - p.published:6.2f} "
+                        f"slot {float(d['slot_at'] or 0) - p.published:6.2f} "
+                        f"{d.get('bytes_by_source')} {d.get('streams_why')}"
+                    )
+            bound = p.size * 8 / parse_rate(link)
+            by: dict[str, int] = {}
+            for h in alive:
+                for k, v in (c.pull(h).get("bytes_by_source") or {}).items():
+                    by[k] = by.get(k, 0) + int(v)
+            wrong = 0
+            for f in p.manifest["files"]:
+                for h in alive:
+                    data = (h.store / "models" / MODEL / "v1" / f["path"]).read_bytes()
+                    wrong += hashlib.sha256(data).hexdigest() != f["sha256"]
+            return {
+                "design": design,
+                "n": n,
+                "over": (last - first) / bound,
+                "cache": c.cache_sent("v1", served0) / p.size,
+                "kept": kept,
+                "origin": c.origin_bytes("v1") / p.size,
+                "first": first_copies,
+                "peer_share": by.get("peer", 0) / max(1, sum(by.values())),
+                "wrong": wrong,
+                "killed": killed.id if killed else "-",
+                "bound": bound,
+                "cpu_per_wall": (sum(cpu1.values()) - sum(cpu0.values())) / (last - p.published),
+                "idle_cpu": idle,
+                "cpu_s_per_node_gb": (sum(cpu1.values()) - sum(cpu0.values()))
+                / (len(alive) + 1) / (p.size / 1e9),
+            }
+        finally:
+            c.stop()
+
+
+def _cpu(c: object) -> dict[str, float]:
+    """CPU seconds (user + system) each daemon has used so far."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for h in [c.cache, *c.nodes]:  # type: ignore[attr-defined]
+        if h.proc is not None and h.proc.poll() is None:
+            fields = Path(f"/proc/{h.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[h.id] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agent.units import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", default="8,16,24")
+    ap.add_argument("--size", default="24MiB")
+    ap.add_argument("--link", default="40mbit")
+    ap.add_argument("--designs", default="tree,peers")
+    ap.add_argument("--kill", action="store_true")
+    ap.add_argument(
+        "--cache-lead",
+        default="0s",
+        help="waves.cache_lead (timing then counts from the first node's start)",
+    )
+    ap.add_argument("--training", action="store_true", help="a training flow (iperf3 on port "
+                    "29500) from a node while it uploads, against the same flow alone")
+    ap.add_argument("--neighbors", type=int, default=6, help="peers.neighbors")
+    ap.add_argument("--streams", type=int, help="fixed streams (default: the shipped, adaptive)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="each node's start and finish")
+    a = ap.parse_args(argv)
+    rows = []
+    for n in (int(x) for x in a.nodes.split(",")):
+        for design in a.designs.split(","):
+            r = run(
+                n, design, parse_size(a.size), a.link, a.kill, a.verbose, a.streams, a.cache_lead,
+                a.neighbors,
+                a.training,
+            )
+            rows.append(r)
+            print(f"  {r}", flush=True)
+    print("\n| N | design | last done / (S/B) | cache copies | origin copies | origin, first "
+          "version | from peers | training kept | killed | wrong files | daemons' CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        kept = f"{r['kept']:.1%}" if r["kept"] is not None else "-"
+        print(f"| {r['n']} | {r['design']} | {r['over']:.2f} | {r['cache']:.2f} | "
+              f"{r['origin']:.3f} | {r['first']:.3f} | {r['peer_share']:.0%} | {kept} | "
+              f"{r['killed']} | {r['wrong']} | {r['cpu_per_wall']:.2f} cores |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
