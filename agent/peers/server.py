@@ -61,7 +61,7 @@ SEND_CHUNK = 256 * 1024      # what one sendfile may send between two takes from
 HOLD_CHECK = 0.1
 SEND_AT_ONCE = 2             # pieces sent to peers at once (agent.peers.swarm says why)
 HAVE_POLL = 5.0              # a have-map long poll answers within this, changed or not
-HAVE_COALESCE = 0.05        # ...and this long after a change, to take in the ones that follow
+HAVE_COALESCE = 0.05         # ...and this long after a change, to take in the ones that follow
 # How long a request waits for its piece (``PeerServer.where``): not at all, while a stream
 # here has it in hand, or until it lands (up to peers.wait)
 NO, IN_HAND, ANY = "", "in hand", "any"
@@ -74,7 +74,7 @@ class Served:
 
     bytes: int = 0
     requests: int = 0
-    waited: int = 0                  # requests that waited for a piece this node was fetching
+    waited: int = 0                  # pieces served from a partial file (still being pulled)
     refused: int = 0                 # 404/503/closed for want of a piece or a connection
     busy: int = 0                    # 429: sending a piece to another peer already
 
@@ -97,10 +97,9 @@ class PeerServer:
         self.in_swarm = in_swarm
         self.clock = clock
         self.served = Served()
-        self._whole: set[str] = set()     # blobs seen complete in the store
         self.lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
-        # One piece at a time to the swarm, at the link's rate (agent.peers.swarm says why).
+        # A few pieces at a time to the swarm, each near the link's rate (agent.peers.swarm).
         self.sending = threading.BoundedSemaphore(SEND_AT_ONCE)
         self._stop = threading.Event()
         server = self
@@ -167,12 +166,11 @@ class PeerServer:
         """"blob" or "part" once ``piece`` is verified here; None when it won't come soon
         (it is put first in this node's pull all the same, and the client asks again).
 
-        A request is held (up to ``peers.wait``) only while one of this node's streams has
-        the piece in hand. Holding it for a piece not in hand would tie the client's stream
-        to this node's queue, and a peer's stream held here while this node's streams wait
-        on that peer would deadlock the two. A stream with the piece in hand waits on nothing
-        but the nodes above it in the piece's tree, then the cache (which waits on no node),
-        so every hold ends."""
+        ``hold`` says how long the request may wait (never beyond ``peers.wait``): ``NO``, a
+        neighbour's (it asked for what the have-map listed; held, its stream could wait on
+        this node while this node's streams wait on it); ``IN_HAND``, while one of this
+        node's streams is receiving the piece (that stream waits on no one who waits here);
+        ``ANY``, until it lands (a cache's: it waits on no node of its cluster)."""
         store = self.store()
 
         def in_blob() -> bool:
@@ -201,8 +199,7 @@ class PeerServer:
         store = self.store()
         out: dict[str, str] = {}
         for blob, f in offer.blobs:
-            if blob in self._whole or store.has_blob(blob, f.size):
-                self._whole.add(blob)      # a blob stays whole (the store never edits one)
+            if store.has_blob(blob, f.size):
                 done = None
             else:
                 done = self.demand.verified(blob)
