@@ -183,6 +183,8 @@ class PeerServer:
             if not hold or not offer.in_flight or self.clock() >= deadline \
                     or self._stop.wait(0.05):
                 return None
+        if not hold:
+            deadline = self.clock()
         while True:
             try:
                 return self.demand.wait(blob, piece, min(deadline, self.clock() + HOLD_CHECK),

@@ -65,7 +65,7 @@ def bed(tmp_path):
     demand = Demand()
     catalog = Catalog(lambda: store)
     server = PeerServer("127.0.0.1", 0, catalog, demand, lambda: store,
-                        upload=TokenBucket(None), wait=lambda: 2.0, max_connections=8)
+                        upload=TokenBucket(None), wait=lambda: 10.0, max_connections=8)
     server.start()
     f = entry()
     m = Manifest("m", "v1", "2026-12-06T00:00:00Z", (f,))
@@ -97,9 +97,13 @@ def test_a_verified_piece_of_a_version_in_flight_is_served_and_others_are_503_at
         status, headers, body = get(server, "/m/v1/w.bin", {"Range": "bytes=4096-8191"})
         assert status == 206 and body == DATA[PIECE:2 * PIECE]
         assert headers["Content-Range"] == f"bytes 4096-8191/{len(DATA)}"
-        # not held: a hold (up to wait, 2 s) would have seen the piece land at 0.5 s
-        threading.Timer(0.5, pull.land, args=(0,)).start()
-        status, headers, _ = get(server, "/m/v1/w.bin", {"Range": "bytes=0-4095"})
+        # not held: a hold (up to wait, 10 s) would have seen the piece land at 5 s
+        later = threading.Timer(5.0, pull.land, args=(0,))
+        later.start()
+        try:
+            status, headers, _ = get(server, "/m/v1/w.bin", {"Range": "bytes=0-4095"})
+        finally:
+            later.cancel()
         assert status == 503 and "Retry-After" in headers
         assert 0 in pull.wanted                      # ...but it went first in the pull
         status, _, body = get(server, "/m/v1/manifest.json")
