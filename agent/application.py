@@ -190,8 +190,8 @@ class Application:
                             self.clock, self.monotonic)
         # The cluster's nodes serve each other (peers.enabled): a cache node also looks for a
         # version at once when a node asks it for one it hasn't seen (pull-through).
-        peers = PeerService(policy, lambda: parts.store, demand,
-                            poke=lambda model: pulls.cache_node and not worker.wake(model),
+        pulls.wake = worker.wake
+        peers = PeerService(policy, lambda: parts.store, demand, poke=pulls.look_now,
                             clock=self.monotonic)
         pulls.swarm = peers.swarm
         pulls.offer = peers.catalog.offering

@@ -85,6 +85,7 @@ class NodePulls:
         # them: who to ask for each piece, and what this node serves while it pulls.
         self.swarm: Callable[[], Peers | None] = lambda: None
         self.offer: Callable[[Manifest, bytes], AbstractContextManager[None]] | None = None
+        self.wake: Callable[[str], None] = lambda model: None    # the worker's: look now
 
     def update(self, policy: Policy, identity: Identity, store: Store) -> None:
         """A reload: the calls from now on read the new policy, role and store."""
@@ -104,6 +105,15 @@ class NodePulls:
         if self.cache_node:
             sources = tuple(s for s in sources if not s.cache) or sources
         return sources
+
+    def look_now(self, model: str) -> bool:
+        """Pull-through: a node asked this cache for a version of ``model`` it hasn't seen, so
+        it polls now rather than at its next poll; False on a node that isn't a cache (it
+        follows its own schedule, whoever asks)."""
+        if not self.cache_node:
+            return False
+        self.wake(model)
+        return True
 
     def options(self) -> PullOptions:
         """The pulls' options, built from the policy's ``pulls`` once per policy."""
