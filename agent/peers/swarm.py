@@ -96,12 +96,6 @@ def order(peers: tuple[str, ...], blob: str) -> tuple[str, ...]:
     return tuple(sorted(peers, key=lambda p: (_score(p, blob), p)))
 
 
-def root(peers: Sequence[str], blob: str, index: int) -> str:
-    """The node that fetches piece ``index`` of ``blob`` from the sources."""
-    base = order(tuple(peers), blob)
-    return base[index % len(base)]
-
-
 @dataclass(frozen=True)
 class Swarm:
     """This node's place among its peers, as a pull uses it (``agent.pull.swarm.Peers``)."""

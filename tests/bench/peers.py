@@ -71,15 +71,15 @@ def run(
             )
             c.wait_done("v0", 120)
             first_copies = c.origin_bytes("v0") / p0.size
-            idle0 = _cpu(c)
+            idle0 = c.cpu_seconds()
             time.sleep(5)
-            idle1 = _cpu(c)
+            idle1 = c.cpu_seconds()
             idle = (sum(idle1.values()) - sum(idle0.values())) / 5
             alone = None
             if training:
                 tb.iperf3_server(c.origin_host, TRAINING_PORT)
                 alone = tb.iperf3(c.nodes[0].host, c.origin_ip, TRAINING_PORT, seconds=5).bps
-            cpu0 = _cpu(c)
+            cpu0 = c.cpu_seconds()
             served0 = int(((c.status(c.cache) or {}).get("peers") or {}).get("served_bytes", 0))
             p = c.publish("v1", lambda d: modelgen.generate_sized(d, size, shards=4, seed=n))
             flow = None
@@ -119,7 +119,7 @@ def run(
             done = c.wait_done(
                 "v1", 60 + 3 * n * size * 8 / parse_rate(link), hosts=[c.cache, *alive]
             )
-            cpu1 = _cpu(c)
+            cpu1 = c.cpu_seconds()
             last = max(float(done[h.id]["finished_at"]) for h in alive)
             # From the first start in the cluster: a node that polled before the version
             # existed retries its poll later (the worker's backoff), which is no part of this.
@@ -165,19 +165,6 @@ def run(
             }
         finally:
             c.stop()
-
-
-def _cpu(c: object) -> dict[str, float]:
-    """CPU seconds (user + system) each daemon has used so far."""
-    import os
-
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for h in [c.cache, *c.nodes]:  # type: ignore[attr-defined]
-        if h.proc is not None and h.proc.poll() is None:
-            fields = Path(f"/proc/{h.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[h.id] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
