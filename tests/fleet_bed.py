@@ -200,8 +200,11 @@ class DaemonHosts:
         return (doc.get("pulls") or [{}])[0]
 
     def wait_done(self, version: str, timeout: float,
-                  hosts: list[FleetHost] | None = None) -> dict[str, dict[str, Any]]:
-        """Every host's pull status once it reports ``version`` done."""
+                  hosts: list[FleetHost] | None = None, every: float = 0.3
+                  ) -> dict[str, dict[str, Any]]:
+        """Every host's pull status once it reports ``version`` done (each host asked
+        ``every`` seconds: a status costs the daemon its shaping's netlink dumps, which two
+        dozen daemons asked thrice a second feel on two cores)."""
         hosts = hosts or self.hosts
         done: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + timeout
@@ -218,7 +221,7 @@ class DaemonHosts:
                 missing = {h.id: self.pull(h) for h in hosts if h.id not in done}
                 raise AssertionError(f"not done with {version} after {timeout:.0f} s: "
                                      f"{missing}\n{self.logs()}")
-            time.sleep(0.3)
+            time.sleep(every)
         return done
 
     def origin_bytes(self, version: str, ips: set[str] | None = None) -> int:

@@ -27,7 +27,10 @@ from typing import Any
 
 import yaml
 
-from tests.fleet_bed import MODEL, DaemonHosts, FleetHost, version_bytes
+from agent.fleet.simulate import FleetPlan, Rollout, simulate_fleet
+from agent.fleet.topology import parse_topology
+from agent.policy import load_policy
+from tests.fleet_bed import MODEL, DaemonHosts, FleetHost, Published, version_bytes
 from tests.testbed import Testbed
 
 PEER_PORT = 8090
@@ -56,8 +59,11 @@ class PeerCluster(DaemonHosts):
         self.origin_root = tb.tmpdir("origin")
         (self.origin_root / MODEL).mkdir()
         self.origin = tb.nginx(origin, root=self.origin_root, port=8080)
-        self.cache = self._add(sw, "cache", "cache")
-        self.nodes = [self._add(sw, f"n{i:02d}", "inference") for i in range(1, spec.nodes + 1)]
+        # Named as `wagent plan --fleet` names the nodes of cluster "a" (``topology_text``):
+        # the daemons hash their ids into poll phases, and so does the plan.
+        self.cache = self._add(sw, "cache", "a-cache-1", "cache")
+        self.nodes = [self._add(sw, f"n{i:02d}", f"a-inference-{i}", "inference")
+                      for i in range(1, spec.nodes + 1)]
         self.hosts = [self.cache, *self.nodes]
         self.daemon_args = ("-vv",) if spec.debug else ()
         for h in self.hosts:
@@ -65,7 +71,7 @@ class PeerCluster(DaemonHosts):
             h.policy.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-    def _add(self, sw: Any, name: str, role: str) -> FleetHost:
+    def _add(self, sw: Any, name: str, node_id: str, role: str) -> FleetHost:
         host = self.tb.host(name)
         # The download is capped at the switch port; the upload at the host's own egress, by
         # wagent's HTB tree (shaping.link_rate), as on a real node: its default class (ACKs
@@ -75,7 +81,7 @@ class PeerCluster(DaemonHosts):
         for args in (["down"], ["name", "eth0"], ["up"]):
             host.run(["ip", "link", "set", "dev", ep.ifname if args != ["up"] else "eth0",
                       *args])
-        return FleetHost(name, "a", role, host, ep.ip4, self.tb.tmpdir(f"node-{name}"))
+        return FleetHost(node_id, "a", role, host, ep.ip4, self.tb.tmpdir(f"node-{name}"))
 
     def _policy(self) -> dict[str, Any]:
         s = self.spec
@@ -83,7 +89,7 @@ class PeerCluster(DaemonHosts):
         cache_url = f"http://{self.cache.ip}:{PEER_PORT if peers else 8080}"
         doc: dict[str, Any] = {
             "version": 1,
-            "roles": {"cache": {"hosts": ["cache"]}, "inference": {"hosts": ["n*"]}},
+            "roles": {"cache": {"hosts": ["*-cache-*"]}, "inference": {"hosts": ["*-inference-*"]}},
             "default_role": "inference",
             "cache_role": "cache",
             "waves": {"order": ["inference"], "gap": "1s", "spread": "0s",
@@ -112,6 +118,20 @@ class PeerCluster(DaemonHosts):
             doc["peers"] = {"enabled": True, "port": PEER_PORT, "neighbors": s.neighbors,
                             "hosts": [h.ip for h in self.nodes]}
         return doc
+
+    def topology_text(self) -> str:
+        """The same cluster, as `wagent plan --fleet` reads it."""
+        s = self.spec
+        return (f"version: 1\norigin: {{egress: {s.origin_egress}}}\nefficiency: 0.95\n"
+                f"clusters:\n  a: {{node_link: {s.link}, nodes: {{inference: {s.nodes}}}, "
+                f"cache: {{nodes: 1}}}}\n")
+
+    def plan(self, p: Published, cold: bool = False) -> FleetPlan:
+        """What `wagent plan --fleet` says of this rollout (``cold``: the model's first)."""
+        policy = load_policy(self.cache.policy)
+        topo = parse_topology(self.topology_text(), "peer cluster")
+        return simulate_fleet(topo, policy, Rollout(p.size, p.fetch, p.published, MODEL,
+                                                    p.version, cold))
 
     def kill(self, h: FleetHost) -> None:
         for p in (h.proc, h.nginx):

@@ -7,8 +7,11 @@ first poll of ``latest`` after it appeared: a daemon polls at a phase of ``poll_
 hashed from its node id, so the plan knows the time exactly, given ``--published``), where it
 fetches from (its cluster's cache once the cache holds the version, else the origin), and the
 links shared fairly, event by event. Per wave: the first start, the p50/p99/last finish, what
-the origin sent and its peak rate. Roles are the policy's: a role it doesn't know (in
-``--roles`` or the fleet description) is refused, not planned after the last wave.
+the origin sent and its peak rate; per cluster, the copies its origin and its cache sent. With
+the policy's ``peers`` on, a cluster with a cache serves itself (``agent/fleet/swarm.py``):
+its nodes learn of the version when the cache starts it and pass the pieces among themselves.
+Roles are the policy's: a role it doesn't know (in ``--roles`` or the fleet description) is
+refused, not planned after the last wave.
 
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB
     wagent plan --policy policy.yaml --fleet fleet.yaml --size 120GB --fetch 3GB   # an update

@@ -21,7 +21,8 @@ def fleet_document(plan: FleetPlan, per_node: bool = False) -> dict[str, Any]:
                    "peak_bps": plan.origin_peak_bps, "peak_at": plan.origin_peak_at},
         "last_done": plan.last_done,
         "waves": [asdict(w) for w in plan.waves],
-        "clusters": [{**asdict(c), "copies": c.origin_bytes / plan.fetch if plan.fetch else 0.0}
+        "clusters": [{**asdict(c), "copies": c.origin_bytes / plan.fetch if plan.fetch else 0.0,
+                      "cache_copies": c.cache_bytes / plan.fetch if plan.fetch else 0.0}
                      for c in plan.clusters],
     }
     if per_node:
@@ -57,10 +58,12 @@ def format_fleet(plan: FleetPlan, per_node: bool = False) -> str:
                  f"{rel(plan.origin_peak_at)}; every node done at {rel(plan.last_done)}")
     size = plan.fetch or 1
     if len(plan.clusters) <= MAX_CLUSTER_ROWS:
-        lines.append(f"{'cluster':<16} {'nodes':>7} {'origin copies':>13} {'last done':>9}")
+        lines.append(f"{'cluster':<16} {'nodes':>7} {'origin copies':>13} {'cache copies':>12} "
+                     f"{'last done':>9}")
         for c in plan.clusters:
+            peers = "  (nodes serve each other)" if c.peers else ""
             lines.append(f"{c.name:<16} {c.nodes:>7} {c.origin_bytes / size:>13.2f} "
-                         f"{rel(c.last_done):>9}")
+                         f"{c.cache_bytes / size:>12.2f} {rel(c.last_done):>9}{peers}")
     else:
         copies = sorted(c.origin_bytes / size for c in plan.clusters)
         lines.append(f"{len(plan.clusters)} clusters: origin copies per cluster "

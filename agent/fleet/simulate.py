@@ -60,6 +60,7 @@ import math
 from dataclasses import dataclass
 
 from agent import schedule
+from agent.fleet import swarm as peers
 from agent.fleet.topology import Topology
 from agent.policy.model import Policy
 
@@ -116,6 +117,8 @@ class ClusterResult:
     nodes: int
     origin_bytes: float
     last_done: float | None
+    cache_bytes: float = 0.0       # what its cache nodes sent its nodes
+    peers: bool = False            # its nodes serve each other (agent.fleet.swarm)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,16 @@ class _Node:
     cap: float                     # bytes/s
     home: int                      # the cache (index) it fetches from; -1: none
     cache: int                     # this node's own cache index, -1: not a cache node
+    swarm: bool = False            # it and its cluster's nodes serve each other
+
+
+@dataclass(frozen=True)
+class _Cache:
+    node: int                      # its node's index
+    egress: float                  # what its cluster's flows homed on it share (bytes/s)
+    out: float                     # its own egress (bytes/s)
+    delay: float = 0.0             # with peers: its last piece to every node (seconds)
+    swarm: bool = False            # its cluster's nodes serve each other
 
 
 def simulate_fleet(topology: Topology, policy: Policy, rollout: Rollout) -> FleetPlan:
@@ -170,9 +183,9 @@ def poll_offset(node_id: str, rollout: Rollout, interval: float) -> float:
 
 
 def _nodes(topology: Topology, policy: Policy, rollout: Rollout
-           ) -> tuple[list[_Node], list[tuple[str, float]], list[tuple[int, float]]]:
-    """Every node with its slot and cap; clusters as (name, uplink bytes/s); caches as
-    (their node's index, egress bytes/s)."""
+           ) -> tuple[list[_Node], list[tuple[str, float]], list[_Cache]]:
+    """Every node with its slot and cap; clusters as (name, uplink bytes/s); caches. With
+    peers, a cluster's nodes share what its cache and they upload (``agent.fleet.swarm``)."""
     eff = topology.efficiency / 8.0                  # bits/s of a link -> goodput bytes/s
     policy_cap = INF
     if policy.pulls.rate:
@@ -184,16 +197,20 @@ def _nodes(topology: Topology, policy: Policy, rollout: Rollout
     cache_role = policy.cache_role
     nodes: list[_Node] = []
     clusters: list[tuple[str, float]] = []
-    caches: list[tuple[int, float]] = []
+    caches: list[_Cache] = []
+    peer_cap = INF
+    if policy.peers.enabled:
+        peer_cap = min(serve_cap, policy.peers.upload / 8.0)   # a token bucket on payload
     slot_of = schedule.slot_from_fraction
     frac_of = schedule.offset_fraction
     interval = policy.poll_interval
 
-    def add(node_id: str, ci: int, role: str, link: int, home: int, cache: int) -> None:
+    def add(node_id: str, ci: int, role: str, link: int, home: int, cache: int,
+            swarm: bool = False) -> None:
         frac = frac_of(node_id, role, rollout.model, rollout.version)
+        cap = min(link * eff, policy_cap) * (peers.GOODPUT if swarm else 1.0)
         nodes.append(_Node(node_id, ci, role, frac, slot_of(0.0, frac, role, policy),
-                           poll_offset(node_id, rollout, interval), min(link * eff, policy_cap),
-                           home, cache))
+                           poll_offset(node_id, rollout, interval), cap, home, cache, swarm))
 
     for ci, (name, c) in enumerate(topology.expanded()):
         clusters.append((name, c.link * eff if c.link is not None else INF))
@@ -204,15 +221,29 @@ def _nodes(topology: Topology, policy: Policy, rollout: Rollout
                                  "cache_role")
             for k in range(1, c.cache.nodes + 1):
                 homes.append(len(caches))
-                caches.append((len(nodes), min(c.cache_egress * eff, serve_cap)))
+                out = min(c.cache_egress * eff, serve_cap)
+                caches.append(_Cache(len(nodes), out, out))
                 add(f"{name}-{cache_role}-{k}", ci, cache_role, c.cache_link, -1, homes[-1])
+        swarm = policy.peers.enabled and bool(homes)
+        uploads = [0.0] * len(homes)
+        count = [0] * len(homes)
         for g in c.nodes:
             if g.role == cache_role:
                 raise ValueError(f"cluster {name}: nodes of the cache role {cache_role!r} go "
                                  "under cache:, not nodes:")
             for k in range(1, g.count + 1):
                 home = homes[(k - 1) % len(homes)] if homes else -1
-                add(f"{name}-{g.role}-{k}", ci, g.role, c.link_of(g), home, -1)
+                add(f"{name}-{g.role}-{k}", ci, g.role, c.link_of(g), home, -1, swarm)
+                if swarm:
+                    uploads[home - homes[0]] += min(c.link_of(g) * eff, peer_cap)
+                    count[home - homes[0]] += 1
+        if swarm:
+            piece = min(policy.pulls.piece_size, rollout.per_node)
+            for j, k in enumerate(homes):
+                ch = caches[k]
+                rate = uploads[j] / count[j] if count[j] else ch.out
+                caches[k] = _Cache(ch.node, ch.out + uploads[j], ch.out,
+                                   peers.pipeline(count[j], piece, ch.out, rate), True)
     return nodes, clusters, caches
 
 
@@ -260,11 +291,11 @@ class _Sim:
     """The event loop and its state: private, filled by ``simulate_fleet`` and read back by
     ``result``. Times are seconds after publication; rates bytes per second."""
 
-    START, PAUSE, BATCH = 0, 1, 2
+    START, PAUSE, BATCH, POKE, FINISH = 0, 1, 2, 3, 4
 
     def __init__(self, topology: Topology, policy: Policy, rollout: Rollout,
                  nodes: list[_Node], clusters: list[tuple[str, float]],
-                 caches: list[tuple[int, float]]) -> None:
+                 caches: list[_Cache]) -> None:
         self.topology, self.policy, self.rollout = topology, policy, rollout
         self.nodes, self.clusters, self.caches = nodes, clusters, caches
         self.origin_rate = topology.origin.egress * topology.efficiency / 8.0
@@ -293,6 +324,8 @@ class _Sim:
         self.fjoin = [0.0] * count                     # bytes left when the flow joined
         self.cache_done: list[float | None] = [None] * len(caches)
         self.homed: list[list[int]] = [[] for _ in caches]
+        # with peers: nodes done with their share before their cache was (they wait for it)
+        self.waiting: list[dict[int, None]] = [{} for _ in caches]
         for i, n in enumerate(nodes):
             if n.home >= 0:
                 self.homed[n.home].append(i)
@@ -408,6 +441,12 @@ class _Sim:
                             self.push(times[pos], self.BATCH, arg)
                     elif kind == self.START:
                         self._begin(arg)
+                    elif kind == self.POKE:
+                        if self.start[arg] is None:       # not started on its own since
+                            self._begin(arg)
+                    elif kind == self.FINISH:
+                        if self.done[arg] is None:
+                            self.done[arg] = self.t
                     else:
                         self._pause_role(arg)
             else:
@@ -451,14 +490,23 @@ class _Sim:
     # -- flows --------------------------------------------------------------------------------
     def _begin(self, i: int) -> None:
         """Node i starts, or resumes after a window closed."""
+        if self.fcls[i] is not None or self.done[i] is not None:
+            return      # a cache its cluster made start early (``_swarm_start``) starts once
         t = self.t
         c = self.home_cls[i]
         if c is None:
             n = self.nodes[i]
             self.start[i] = t
             k = n.home
-            cached = k >= 0 and self.cache_done[k] is not None and self.cache_done[k] <= t
+            cached = n.swarm or (k >= 0 and self.cache_done[k] is not None
+                                 and self.cache_done[k] <= t)
             self.source[i] = k if cached else -1
+            self._swarm_start(i, n, t)
+            if n.swarm:
+                # The pipeline fills: the first pieces reach the node only after they crossed
+                # the cache and a few neighbours (``agent.fleet.swarm.pipeline``), as if it
+                # had that long's worth more to fetch.
+                self.left[i] += self.caches[k].delay * n.cap
             origin = not cached
             key = (origin, n.cluster if origin else k, n.cap, self.nrole[i])
             c = self.by_key.get(key)
@@ -509,7 +557,8 @@ class _Sim:
         the cluster's own level, recomputed lazily). False, having changed nothing, if any of
         that doesn't hold: then the general path runs."""
         c = self.home_cls[i]
-        if c is None or c.state != AT_LAM or c.n != c.wn or self.left[i] <= 0:
+        if c is None or c.state != AT_LAM or c.n != c.wn or self.left[i] <= 0 \
+                or self.fcls[i] is not None:
             return False
         g = c.group
         if self.csat[g]:
@@ -580,12 +629,47 @@ class _Sim:
         self.fgen[i] += 1
         self.fcls[i] = None
 
+    def _swarm_start(self, i: int, n: _Node, t: float) -> None:
+        """With peers: a cache that starts names the version to its cluster (its piece server
+        serves it as ``latest`` while pulling it), and a node that asks its cache for a
+        version the cache hasn't seen (the model's first: the node learnt of it from the
+        origin) makes the cache poll at once."""
+        if n.cache >= 0 and self.caches[n.cache].swarm and not self.rollout.cold:
+            for j in self.homed[n.cache]:
+                start = self._schedule(j, t)
+                if start is not None:
+                    self.push(start, self.START, j)
+        elif n.swarm:
+            ci = self.caches[n.home].node
+            known = self.learned[ci]
+            if self.start[ci] is None and (known is None or known > t):
+                cache = self.nodes[ci]
+                self.learned[ci] = t
+                start = self._allowed(cache, max(cache.slot, t))
+                if start is not None:
+                    self.push(start, self.POKE, ci)
+
     def _done(self, i: int) -> None:
+        n = self.nodes[i]
+        if n.swarm:
+            # No node has a piece before its cache: it is done once the cache's last piece
+            # has reached it too (``agent.fleet.swarm.pipeline``).
+            k = n.home
+            if self.cache_done[k] is None:
+                self.waiting[k][i] = None
+                return
+            due = self.cache_done[k] + self.caches[k].delay
+            if due > self.t:
+                self.push(due, self.FINISH, i)
+                return
         self.done[i] = self.t
-        k = self.nodes[i].cache
+        k = n.cache
         if k >= 0:
             self.cache_done[k] = self.t
-            if not self.rollout.cold:
+            for j in self.waiting[k]:
+                self.push(self.t + self.caches[k].delay, self.FINISH, j)
+            self.waiting[k] = {}
+            if not self.rollout.cold and not self.caches[k].swarm:
                 for j in self.homed[k]:
                     start = self._schedule(j, self.t)
                     if start is not None:
@@ -704,7 +788,7 @@ class _Sim:
 
     def _cache_group(self, k: int) -> None:
         """The shares of cache k's egress among its classes (no tie to the origin's)."""
-        level = _level(self.cache_classes[k], self.caches[k][1])
+        level = _level(self.cache_classes[k], self.caches[k].egress)
         for x in self.cache_classes[k]:
             if x.n:
                 self._retune(x, False, min(x.cap, level))
@@ -897,7 +981,7 @@ class _Sim:
             NodeResult(n.id, self.clusters[n.cluster][0], n.role, pub + n.slot,
                        at(self.learned[i]), at(self.start[i]), at(self.done[i]),
                        None if self.source[i] == -2 else "origin" if self.source[i] < 0
-                       else ids[self.caches[self.source[i]][0]], self.obytes[i])
+                       else ids[self.caches[self.source[i]].node], self.obytes[i])
             for i, n in enumerate(nodes))
         by_role: dict[str, list[NodeResult]] = {r: [] for r in self.roles}
         for r in per_node:
@@ -917,12 +1001,25 @@ class _Sim:
         by_cluster: dict[str, list[NodeResult]] = {}
         for r in per_node:
             by_cluster.setdefault(r.cluster, []).append(r)
-        for name, _ in self.clusters:
+        # What each cache sent its nodes: a copy each without peers, each piece once with them.
+        sent = [0.0] * len(self.caches)
+        for i, n in enumerate(nodes):
+            if n.home >= 0 and self.source[i] == n.home and not n.swarm:
+                sent[n.home] += self.rollout.per_node
+        for k, ch in enumerate(self.caches):
+            if ch.swarm:
+                sent[k] = self.rollout.per_node if self.cache_done[k] is not None else 0.0
+        of_cluster: dict[int, list[int]] = {}  # cluster -> its caches
+        for k, ch in enumerate(self.caches):
+            of_cluster.setdefault(nodes[ch.node].cluster, []).append(k)
+        for g, (name, _) in enumerate(self.clusters):
             mine = by_cluster.get(name, [])
             done = [r.done for r in mine if r.done is not None]
+            ks = of_cluster.get(g, [])
             clusters.append(ClusterResult(name, len(mine), sum(r.origin_bytes for r in mine),
                                           max(done) if len(done) == len(mine) and done
-                                          else None))
+                                          else None, sum(sent[k] for k in ks),
+                                          any(self.caches[k].swarm for k in ks)))
         finished = [r.done for r in per_node if r.done is not None]
         return FleetPlan(pub, self.rollout.size, self.rollout.per_node, self.rollout.cold,
                          tuple(waves), tuple(clusters), sum(self.obytes), self.peak * 8,

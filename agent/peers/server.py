@@ -6,7 +6,8 @@ what a neighbour needs to choose its next piece (``agent.pull.picker``)::
     GET /{model}/latest                         the version in flight, else the newest complete
     GET /{model}/{version}/manifest.json        the manifest (of a version in flight too)
     GET /{model}/{version}/{path}  Range: ...    bytes of a file, verified pieces only
-    GET /.wagent/have/{model}/{version}?after=G  the have-map: pieces verified here, per file
+    GET /.wagent/have/{model}/{version}         the have-map: pieces verified here, per file,
+                                                a line now and one at each change (a stream)
 
 A file's bytes come from its blob when the store has it, else from its partial file, and only
 pieces verified and journaled (``agent.pull.demand``). Headers go out once the first piece is
@@ -39,15 +40,17 @@ import logging
 import os
 import re
 import socket
+import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from agent.manifest import FileEntry, Piece
 from agent.peers.catalog import Catalog, Offer
+from agent.peers.swarm import SEND_AT_ONCE
 from agent.pull.demand import Demand, NotYet
 from agent.store import Store
 from agent.yielding.ratelimit import TokenBucket
@@ -59,9 +62,9 @@ SEND_CHUNK = 256 * 1024      # what one sendfile may send between two takes from
 # A request held for a piece in flight here is looked at again this often: once no stream has
 # it in hand (its source failed it, or it was put aside), the client hears 503 and asks later.
 HOLD_CHECK = 0.1
-SEND_AT_ONCE = 2             # pieces sent to peers at once (agent.peers.swarm says why)
-HAVE_POLL = 5.0              # a have-map long poll answers within this, changed or not
+HAVE_POLL = 5.0              # a have-map stream sends a line within this, changed or not
 HAVE_COALESCE = 0.05         # ...and this long after a change, to take in the ones that follow
+HAVE_STREAM = 60.0           # and ends after this (the neighbour asks again)
 # How long a request waits for its piece (``PeerServer.where``): not at all, while a stream
 # here has it in hand, or until it lands (up to peers.wait)
 NO, IN_HAND, ANY = "", "in hand", "any"
@@ -224,18 +227,30 @@ class PeerServer:
         return None
 
     def send(self, sock: socket.socket, fd: int, offset: int, size: int) -> None:
-        # socket.sendfile, not os.sendfile: the socket has a timeout, so it is non-blocking
-        # underneath, and socket.sendfile waits for it to drain (within the timeout).
-        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+        # os.sendfile on the socket made blocking, the wait bounded by SO_SNDTIMEO: the kernel
+        # sends each chunk whole in one call. socket.sendfile on a socket with a timeout (non-
+        # blocking underneath) polls, and wakes this thread each time a third of the send
+        # buffer frees: with the small windows the pulls' receivers advertise (a millisecond
+        # of the link; agent.yielding.sockets) that was a wakeup every few kilobytes, a
+        # thousand a second per stream at 40 Mbit/s, most of a serving node's CPU.
+        timeout = sock.gettimeout()
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(IDLE), 0))
+        try:
             while size > 0:
                 n = min(size, SEND_CHUNK)
                 self.upload.consume(n, self._stop)
-                sent = sock.sendfile(f, offset, n)
+                try:
+                    sent = os.sendfile(sock.fileno(), fd, offset, n)
+                except BlockingIOError:           # SO_SNDTIMEO passed with nothing sent
+                    raise TimeoutError(f"nothing sent for {IDLE:g} s") from None
                 if sent <= 0:
                     raise ConnectionError("the file ended early")
                 offset += sent
                 size -= sent
                 self.count(bytes=sent)
+        finally:
+            sock.settimeout(timeout)
 
 
 def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
@@ -270,7 +285,7 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
             url = urlsplit(self.path)
             parts = [unquote(p) for p in url.path.split("/") if p]
             if len(parts) == 4 and parts[:2] == [".wagent", "have"]:
-                return self._have(parts[2], parts[3], url.query, head)
+                return self._have(parts[2], parts[3], head)
             if len(parts) == 2 and parts[1] == "latest":
                 version = server.catalog.latest(parts[0])
                 if version is None:
@@ -373,24 +388,43 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
                     os.close(fd)
             return None
 
-        def _have(self, model: str, version: str, query: str, head: bool) -> None:
-            """The version's have-map: for each of its files being pulled or held here, the
-            pieces verified, as a bitmap in the manifest's piece order (hex). ``after=G``:
-            answered once this node's pieces moved past generation ``G`` (a long poll, up to
-            ``HAVE_POLL`` seconds), so a neighbour hears of a piece when it lands."""
+        def _have(self, model: str, version: str, head: bool) -> None:
+            """The version's have-map, followed: for each of its files being pulled or held
+            here, the pieces verified, as a bitmap in the manifest's piece order (hex), one
+            JSON line at once and one more each time pieces land (a chunk each, so a neighbour
+            hears of a piece when it lands), or after ``HAVE_POLL`` seconds without one (the
+            client's sign that the connection lives); the stream ends after ``HAVE_STREAM``
+            seconds, or when the version goes. One request per neighbour for the whole pull:
+            a long poll per change cost a request (and a thread's wakeups at both ends) per
+            landing, to every neighbour, the larger part of a node's CPU in a swarm."""
             offer = server.catalog.find(model, version)
             if offer is None:
                 return self._answer(404, b"version not here\n", head)
-            after = parse_qs(query).get("after", [""])[0]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.send_header("Cache-Control", "no-store")
+            if head:
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.close_connection = True
+            until = time.monotonic() + HAVE_STREAM
             gen = server.demand.generation
-            if after.isdigit() and int(after) == gen:
-                if server.demand.changed(gen, HAVE_POLL) != gen:
+            while offer is not None and not server._stop.is_set():
+                line = json.dumps({"gen": gen, "have": server.have_map(offer)}).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                if server.demand.changed(gen, min(HAVE_POLL, left)) != gen:
                     # Pieces land in bursts (a file's last, a batch synced together): one
-                    # answer for the burst, not one per piece to every neighbour.
+                    # line for the burst, not one per piece.
                     server._stop.wait(HAVE_COALESCE)
                 gen = server.demand.generation
-            body = json.dumps({"gen": gen, "have": server.have_map(offer)}).encode()
-            return self._answer(200, body, head, {"Content-Type": "application/json",
-                                                  "Cache-Control": "no-store"})
+                offer = server.catalog.find(model, version)
+            self.wfile.write(b"0\r\n\r\n")
+            return None
 
     return Handler

@@ -261,7 +261,7 @@ class Peers:
     # the same list on every node, which finds itself in it by its own addresses
     hosts: tuple[str, ...] = ()
     # the peers each node exchanges with (agent.peers.swarm): it learns what they hold and
-    # fetches from them; more spread a piece in fewer hops, each costs a have-map long poll
+    # fetches from them; more spread a piece in fewer hops, each costs a have-map stream
     neighbors: int = field(default=6, metadata={"min": 1, "max": 64})
     # what serving peers may send, at most (a share of shaping.link_rate); the HTB egress class
     # and the backoff cap it further

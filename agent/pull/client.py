@@ -153,6 +153,40 @@ class Client:
         finally:
             self._unwatch(w)
 
+    def lines(self, url: str, limit: int, idle: float) -> Generator[bytes, None, None]:
+        """The lines of a streamed document (a neighbour's have-map, followed:
+        ``agent.peers.server``), each as soon as its chunk arrives, until the body ends.
+        FetchError when no line comes for ``idle`` seconds, a line passes ``limit`` bytes, or
+        the connection fails."""
+        w = self._watch()
+        try:
+            with self._get(url, w) as r:
+                if r.status_code != 200:
+                    raise self._refused(r, url)
+                self.watchdog.renew(w, idle, "the next line")
+                buf = b""
+                try:
+                    # A chunk at a time as it comes (a chunked body), at most ``limit`` bytes
+                    # of it: the next line is never waited for past the one that came.
+                    for chunk in r.raw.stream(limit, decode_content=False):
+                        buf += chunk
+                        *done, buf = buf.split(b"\n")
+                        if len(buf) > limit:
+                            raise FetchError(f"{redact(url)}: a line longer than {limit} bytes")
+                        if done:
+                            self.watchdog.renew(w, idle, "the next line")
+                        yield from done
+                except FetchError:
+                    if w.cut is None:
+                        raise
+                    raise FetchError(f"{redact(url)}: {w.why()}") from None
+                except Exception as e:  # urllib3 raises several unrelated types mid-body
+                    raise FetchError(f"{redact(url)}: {_failure(w, e)}") from None
+                if w.cut is not None:
+                    raise FetchError(f"{redact(url)}: {w.why()}")
+        finally:
+            self._unwatch(w)
+
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
                total: int | None = None, meter: Meter | None = None,
                pause: Callable[[], bool] | None = None,

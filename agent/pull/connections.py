@@ -39,6 +39,15 @@ class Connections:
         # s3:// sources' credentials, resolved once for all of the owner's streams
         self.s3 = S3Auths()
 
+    def side(self) -> Connections:
+        """The same watchdog and credentials, with sockets that no backoff clamps: for what a
+        pull reads beside its bytes (a neighbour's have-map, a line at each change). A socket
+        that carries a trickle must not count among those the pull's window is shared by: six
+        of them beside three streams cut each stream's window to a third."""
+        side = Connections(PullSockets(), self.watchdog)
+        side.s3 = self.s3
+        return side
+
     def adapter(self) -> urllib3_adapter.PoolsAdapter:
         """A requests adapter for one session: one connection, requests' own retries off (the
         engine retries, across sources, with backoff)."""

@@ -63,8 +63,11 @@ from agent.yielding.ratelimit import TokenBucket
 
 T = TypeVar("T")
 # Streams of a pull with peers (agent.peers.swarm): one at most fetching from the sources (held
-# by the cache until it has the piece), the others from neighbours, a piece each at a time
-PEER_STREAMS = 3
+# by the cache until it has the piece), the others from neighbours, a piece each at a time.
+# Six, not three: a piece crosses a socket whose window the backoff keeps to a millisecond of
+# the link (at least four segments), so one stream carries a window per round trip and a
+# reader's wakeup, and the link fills only with several (agent.peers.swarm, the table).
+PEER_STREAMS = 6
 
 __all__ = ["PullError", "PullOptions", "PullProgress", "PullResult", "PullStopped", "StoreFull",
            "fetch_manifest", "pull_version", "resolve_latest"]

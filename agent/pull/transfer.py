@@ -79,6 +79,7 @@ ORPHAN_STEPS = 5
 PEER_BUSY = 0.1            # a neighbour sending others pieces (429) is asked again after this
 HAVE_LIMIT = 4 << 20       # a have-map's size at most (bits per piece, per file)
 HAVE_RETRY = 1.0           # a neighbour whose have-map failed is asked again after this
+HAVE_IDLE = 15.0           # a have-map stream silent this long is dead (it beats every 5 s)
 # The longest Retry-After honoured: a source that asks for more is asked again after this, so
 # a pull still fails within its rounds (``retries``) rather than sleeping on a server's word;
 # the daemon's stall limit (agent.pull.node_pulls) allows for it.
@@ -737,34 +738,33 @@ class Transfer:
 
     # -- neighbours' have-maps (peers) ----------------------------------------------------------
     def _watch_peer(self, n: int, stop: threading.Event) -> None:
-        """Follows neighbour ``n``'s have-map for this version (a long poll): which of the
-        pieces this pull needs it holds verified. Nothing is trusted from it but as a hint of
-        where to ask: every piece is still verified here."""
+        """Follows neighbour ``n``'s have-map for this version (a stream of lines, one at each
+        change): which of the pieces this pull needs it holds verified. Nothing is trusted
+        from it but as a hint of where to ask: every piece is still verified here."""
         i = self.own_sources + n
         url = url_for(self.sources[i], ".wagent", "have", self.model, self.version)
-        client = Client(self.sources[i], self.s.timeouts, connections=self.connections,
+        client = Client(self.sources[i], self.s.timeouts, connections=self.connections.side(),
                         stop=stop)
-        gen = -1
         try:
             while not stop.is_set():
                 try:
-                    raw = client.get_small(f"{url}?after={gen}", HAVE_LIMIT)
-                    doc = json.loads(raw)
-                    gen = int(doc["gen"])
-                    have = _have_pieces(doc["have"], self.files)
+                    lines = 0
+                    for line in client.lines(url, HAVE_LIMIT, HAVE_IDLE):
+                        lines += 1
+                        have = _have_pieces(json.loads(line)["have"], self.files)
+                        with self.cond:
+                            if not have <= self.holds.get(n, set()):
+                                self.progressed = self.clock()
+                            self.holds[n] = have
+                            self.cond.notify_all()
+                    if lines < 2:         # a stream ends after a minute, not at once
+                        raise FetchError(f"{url}: the have-map stream ended at once")
                 except (FetchError, CredentialsError, ValueError, KeyError, TypeError,
                         AttributeError) as e:
                     log.debug("neighbour %s's have-map: %s", self.sources[i].url, e)
                     with self.cond:
                         self.holds.pop(n, None)
-                    gen = -1
                     stop.wait(HAVE_RETRY)
-                    continue
-                with self.cond:
-                    if not have <= self.holds.get(n, set()):
-                        self.progressed = self.clock()
-                    self.holds[n] = have
-                    self.cond.notify_all()
         finally:
             client.close()
 

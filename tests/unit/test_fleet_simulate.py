@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import pytest
 
 from agent import schedule
+from agent.fleet import swarm
 from agent.fleet.simulate import Rollout, simulate_fleet
 from agent.fleet.topology import parse_topology
 from agent.policy import parse_policy
@@ -159,6 +160,79 @@ clusters:
     # and the same version with the cache's `latest` to learn from: one copy
     warm = simulate_fleet(topo, pol, Rollout(size=100 * MB, published=PUB))
     assert warm.clusters[0].origin_bytes == pytest.approx(100 * MB)
+
+
+PEERS = "peers: {enabled: true, hosts: [10.0.0.1]}\npulls: {piece_size: 1MB}"
+
+
+def test_with_peers_a_cluster_learns_when_its_cache_starts_and_is_done_past_its_cache():
+    topo = fleet("""
+origin: {egress: 400mbit}
+clusters:
+  a: {node_link: 40mbit, nodes: {inference: 8}, cache: {nodes: 1}}
+""")
+    pol = policy(PEERS, spread="0s", lead="0s")
+    plan = simulate_fleet(topo, pol, Rollout(size=40 * MB, published=PUB))
+    (cluster,) = plan.clusters
+    assert cluster.peers and cluster.origin_bytes == pytest.approx(40 * MB)
+    assert cluster.cache_bytes == pytest.approx(40 * MB)       # each piece once
+    cache = next(n for n in plan.nodes if n.role == "cache")
+    delay = swarm.pipeline(8, MB, 5e6, 5e6)
+    for n in plan.nodes:
+        if n.role == "cache":
+            continue
+        assert n.source == cache.node and n.origin_bytes == 0
+        # it learns at its first poll once the cache has started (its piece server names the
+        # version it pulls as `latest`), not once it is done
+        assert n.learned == pytest.approx(schedule.next_poll(cache.start, n.node, "model", 1.0),
+                                          abs=1e-6)
+        assert n.learned < cache.done
+        # its own download (GOODPUT of its link) after the pipeline fills, and never before
+        # the cache's last piece has reached it
+        alone = n.start + delay + 40 * MB / (5e6 * swarm.GOODPUT)
+        assert n.done == pytest.approx(max(alone, cache.done + delay), rel=1e-6)
+    # without peers the cache sends every node its copy, one after the other in effect
+    tree = simulate_fleet(topo, policy(spread="0s", lead="0s"),
+                          Rollout(size=40 * MB, published=PUB))
+    assert tree.clusters[0].cache_bytes == pytest.approx(8 * 40 * MB)
+    assert tree.last_done - PUB > 3 * (plan.last_done - PUB)
+
+
+def test_with_peers_the_model_s_first_version_costs_the_origin_one_copy_too():
+    topo = fleet("""
+origin: {egress: 400mbit}
+clusters:
+  a: {node_link: 40mbit, nodes: {inference: 6}, cache: {nodes: 1}}
+""")
+    pol = policy(PEERS, spread="0s", lead="30s")     # the cache's lead far beyond its pull
+    plan = simulate_fleet(topo, pol, Rollout(size=40 * MB, published=PUB, cold=True))
+    assert plan.clusters[0].origin_bytes == pytest.approx(40 * MB)
+    cache = next(n for n in plan.nodes if n.role == "cache")
+    assert all(n.source == cache.node for n in plan.nodes if n.role != "cache")
+    # A cache whose own first poll comes after its cluster's first start: that node's asking
+    # for the version makes it start at once.
+    late = policy(PEERS, spread="0s", lead="0s", poll="30s")
+    plan = simulate_fleet(topo, late, Rollout(size=40 * MB, published=PUB, cold=True))
+    cache = next(n for n in plan.nodes if n.role == "cache")
+    first = min(n.start for n in plan.nodes if n.role != "cache")
+    assert first < cache.learned - 1 or cache.start == pytest.approx(first, abs=1e-6)
+    assert cache.start <= first + 1e-6 and plan.clusters[0].origin_bytes == pytest.approx(40 * MB)
+
+
+def test_with_peers_a_small_upload_share_slows_the_cluster():
+    topo = fleet("""
+origin: {egress: 400mbit}
+clusters:
+  a: {node_link: 40mbit, nodes: {inference: 8}, cache: {nodes: 1}}
+""")
+    fast = simulate_fleet(topo, policy(PEERS, spread="0s", lead="0s"),
+                          Rollout(size=40 * MB, published=PUB))
+    slow = simulate_fleet(topo, policy(PEERS.replace("hosts", "upload: 10%, hosts")
+                                       + "\nshaping: {link_rate: 40mbit}",
+                                       spread="0s", lead="0s"),
+                          Rollout(size=40 * MB, published=PUB))
+    # 8 nodes share the cache's 5 MB/s and their own 0.5 MB/s each: 1.125 MB/s a node
+    assert slow.last_done - PUB > 2 * (fast.last_done - PUB)
 
 
 def test_an_update_fetches_only_what_changed():
