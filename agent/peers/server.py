@@ -231,8 +231,8 @@ class PeerServer:
         # sends each chunk whole in one call. socket.sendfile on a socket with a timeout (non-
         # blocking underneath) polls, and wakes this thread each time a third of the send
         # buffer frees: with the small windows the pulls' receivers advertise (a millisecond
-        # of the link; agent.yielding.sockets) that was a wakeup every few kilobytes, a
-        # thousand a second per stream at 40 Mbit/s, most of a serving node's CPU.
+        # of the link; agent.yielding.sockets), a wakeup every few kilobytes. (On the emulated
+        # cluster the CPU it saved was within the noise: the receivers' wakeups are the cost.)
         timeout = sock.gettimeout()
         sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(IDLE), 0))
