@@ -121,6 +121,25 @@ def test_plan_fleet_json_for_scripts(capsys):
     assert doc["nodes"][0]["node"] == "dc1-cache-1" and doc["nodes"][0]["source"] == "origin"
 
 
+def test_plan_fleet_with_peers_says_what_each_cache_sends(tmp_path, capsys):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text((POLICIES / "fleet.example.yaml").read_text().replace(
+        "peers:\n  enabled: false", "peers:\n  enabled: true"))
+    args = ["plan", "--policy", str(policy), "--fleet", str(EXAMPLE), "--size", "120GB",
+            "--published", "2026-12-02T12:00:00Z"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("cluster "))
+    assert header.split() == ["cluster", "nodes", "origin", "copies", "cache", "copies", "last",
+                              "done"]
+    # dc1's two caches each send each piece once to their share of the cluster
+    assert any(line.startswith("dc1 ") and line.split()[2:4] == ["2.00", "2.00"]
+               and line.endswith("(nodes serve each other)") for line in out.splitlines()), out
+    assert main([*args, "--json"]) == 0
+    dc1 = json.loads(capsys.readouterr().out)["clusters"][0]
+    assert dc1["peers"] is True and dc1["cache_copies"] == pytest.approx(2.0)
+
+
 def test_plan_usage_errors_exit_2_and_bad_files_exit_1(tmp_path, capsys):
     policy = str(POLICIES / "fleet.example.yaml")
     assert main(["plan", "--policy", policy, "--fleet", str(EXAMPLE)]) == 2
