@@ -34,7 +34,7 @@ CPU: the clients' (seed's too). ``torrent-tuned``: every interested peer unchoke
 at 24-32 MiB). ``--training`` is not run in the torrent rows ("-"). Without python3-libtorrent
 the torrent rows are skipped with a message; the others still run.
 
-    python tests/bench/peers.py [--nodes 8,16,24] [--size 24MiB] [--designs tree,peers,torrent]
+    python tests/bench/peers.py [--nodes 8,16,24] [--size 32MiB] [--designs tree,peers,torrent]
         (designs: tree, peers, torrent, torrent-tuned, torrent-auto)
 """
 
@@ -296,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", default="8,16,24")
-    ap.add_argument("--size", default="24MiB")
+    ap.add_argument("--size", default="32MiB")
     ap.add_argument("--link", default="40mbit")
-    ap.add_argument("--designs", default="tree,peers")
+    ap.add_argument("--designs", default="tree,peers,torrent")
     ap.add_argument("--kill", action="store_true")
     ap.add_argument(
         "--cache-lead",
