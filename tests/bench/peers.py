@@ -44,6 +44,7 @@ import argparse
 import hashlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,13 +143,20 @@ def run(
                 every=1.0,
             )
             cpu1 = c.cpu_seconds()
-            last = max(float(done[h.id]["finished_at"]) for h in alive)
-            # From the first start in the cluster: a node that polled before the version
-            # existed retries its poll later (the worker's backoff), which is no part of this.
-            first = min(float(done[h.id]["started_at"]) for h in [c.cache, *alive])
-            if cache_lead != "0s":
-                first = min(float(done[h.id]["started_at"]) for h in alive)
-            first = min(first, p.published + parse_duration(cache_lead))
+
+            def span(start: Callable[[str], float], end: Callable[[str], float]
+                     ) -> tuple[float, float]:
+                """(first start, last finish) of the rollout, by host id: from the first
+                start in the cluster (the nodes' with a cache lead), as a node that polled
+                before the version existed retries its poll later (the worker's backoff),
+                which is no part of this."""
+                starters = alive if cache_lead != "0s" else [c.cache, *alive]
+                first = min(min(start(h.id) for h in starters),
+                            p.published + parse_duration(cache_lead))
+                return first, max(end(h.id) for h in alive)
+
+            first, last = span(lambda i: float(done[i]["started_at"]),
+                               lambda i: float(done[i]["finished_at"]))
             if verbose:
                 for h in [c.cache, *alive]:
                     d = done[h.id]
@@ -168,15 +176,10 @@ def run(
                 errs = [abs((at[h.id].done or float("inf")) - float(done[h.id]["finished_at"]))
                         / (float(done[h.id]["finished_at"]) - p.published) for h in alive]
                 plan_err = max(errs)
-                plan_end = max(at[h.id].done or float("inf") for h in alive)
+                plan_first, plan_end = span(lambda i: at[i].start or float("inf"),
+                                            lambda i: at[i].done or float("inf"))
                 plan_last = abs(plan_end - last) / (last - p.published)
-                starts = [at[h.id].start for h in [c.cache, *alive]]
-                plan_first = min(x for x in starts if x is not None)
-                if cache_lead != "0s":
-                    plan_first = min(at[h.id].start or float("inf") for h in alive)
-                plan_first = min(plan_first, p.published + parse_duration(cache_lead))
-                plan_over = (max(at[h.id].done or float("inf") for h in alive) - plan_first) \
-                    / bound
+                plan_over = (plan_end - plan_first) / bound
                 plan_cache = plan.clusters[0].cache_bytes / p.size
             by: dict[str, int] = {}
             for h in alive:
