@@ -190,10 +190,11 @@ class Application:
                             self.clock, self.monotonic)
         # The cluster's nodes serve each other (peers.enabled): a cache node also looks for a
         # version at once when a node asks it for one it hasn't seen (pull-through).
-        pulls.wake = worker.wake
+        pulls.poll_now = worker.poll_now
         peers = PeerService(policy, lambda: parts.store, demand, poke=pulls.look_now,
-                            clock=self.monotonic)
+                            clock=self.monotonic, told=pulls.told)
         pulls.swarm = peers.swarm
+        pulls.cluster = peers.cluster_urls
         pulls.offer = peers.catalog.offering
         parts = Parts(policy=policy, identity=pulls.identity, store=store, bucket=bucket,
                       pulls=pulls, worker=worker, scheduler=Scheduler(), shaping=shaping,

@@ -44,6 +44,7 @@ class PeerSpec:
     design: str = "peers"            # or "tree"
     neighbors: int = 6
     poll: str = "1s"
+    node_poll: str | None = None     # the nodes' poll_interval, if not ``poll`` (the cache's)
     cache_lead: str = "0s"
     backoff: bool = False            # the backoff's link detector on (the training-flow test)
     streams: int | None = None       # None: the shipped default (adaptive); else fixed
@@ -68,6 +69,8 @@ class PeerCluster(DaemonHosts):
         self.daemon_args = ("-vv",) if spec.debug else ()
         for h in self.hosts:
             doc = dict(self._policy(), store={"path": str(h.store), "keep_versions": 2})
+            if spec.node_poll is not None and h is not self.cache:
+                doc["poll_interval"] = spec.node_poll
             h.policy.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 

@@ -313,6 +313,10 @@ class _Sim:
         self.nrole = [self.role_index[n.role] for n in nodes]
         self.learned: list[float | None] = [None] * count
         self.start: list[float | None] = [None] * count
+        # A first start scheduled from the node's own poll (a model's first version), and the
+        # nodes whose cache told them earlier: that start is then no event any more.
+        self.due: list[float | None] = [None] * count
+        self.superseded: set[int] = set()
         self.done: list[float | None] = [None] * count
         self.source: list[int] = [-2] * count          # -1 origin, k: cache k, -2 not started
         self.obytes = [0.0] * count
@@ -385,7 +389,7 @@ class _Sim:
         for i, n in enumerate(self.nodes):
             if n.home >= 0 and not self.rollout.cold:
                 continue          # learns from its cache's `latest` once the cache has it
-            start = self._schedule(i, 0.0)
+            start = self.due[i] = self._schedule(i, 0.0)
             if start is not None:
                 firsts.append((start, i))
         self.push_batch(firsts)
@@ -493,6 +497,9 @@ class _Sim:
         if self.fcls[i] is not None or self.done[i] is not None:
             return      # a cache its cluster made start early (``_swarm_start``) starts once
         t = self.t
+        if i in self.superseded and t == self.due[i]:
+            self.superseded.discard(i)   # its own poll's start: its cache told it earlier
+            return
         c = self.home_cls[i]
         if c is None:
             n = self.nodes[i]
@@ -631,14 +638,24 @@ class _Sim:
 
     def _swarm_start(self, i: int, n: _Node, t: float) -> None:
         """With peers: a cache that starts names the version to its cluster (its piece server
-        serves it as ``latest`` while pulling it), and a node that asks its cache for a
-        version the cache hasn't seen (the model's first: the node learnt of it from the
-        origin) makes the cache poll at once."""
-        if n.cache >= 0 and self.caches[n.cache].swarm and not self.rollout.cold:
+        serves it as ``latest`` while pulling it) and tells every node to look now
+        (``agent.pull.tell``), and a node that asks its cache for a version the cache hasn't
+        seen (the model's first: the node learnt of it from the origin) makes the cache poll
+        at once."""
+        if n.cache >= 0 and self.caches[n.cache].swarm:
             for j in self.homed[n.cache]:
-                start = self._schedule(j, t)
-                if start is not None:
-                    self.push(start, self.START, j)
+                known = self.learned[j]
+                if self.start[j] is not None or (known is not None and known <= t):
+                    continue
+                node = self.nodes[j]
+                self.learned[j] = t
+                start = self._allowed(node, max(node.slot, t))
+                due = self.due[j]
+                if start is None or (due is not None and start >= due):
+                    continue                 # told, but its windows start it no sooner
+                if due is not None:
+                    self.superseded.add(j)
+                self.push(start, self.START, j)
         elif n.swarm:
             ci = self.caches[n.home].node
             known = self.learned[ci]

@@ -48,17 +48,21 @@ class Offer:
 
 class Catalog:
     """One per daemon. ``store``: the daemon's store now; ``poke(model)``: look for a new
-    version of ``model`` now and say True (a cache node's pull-through), or say False."""
+    version of ``model`` now and say True (a cache node's pull-through), or say False;
+    ``told(model)``: the cluster's cache says it started a version of ``model``: look now, on
+    any node, and say whether ``model`` is one this node pulls."""
 
     def __init__(self, store: Callable[[], Store], poke: Callable[[str], bool] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 told: Callable[[str], bool] | None = None) -> None:
         self.store = store
         self.poke = poke
+        self.told = told
         self.clock = clock
         self._lock = threading.Lock()
         self._flight: dict[tuple[str, str], Offer] = {}
         self._complete: dict[tuple[str, str], tuple[float, Offer | None]] = {}
-        self._poked: dict[str, tuple[float, bool]] = {}
+        self._poked: dict[tuple[str, str], tuple[float, bool]] = {}
 
     @contextlib.contextmanager
     def offering(self, manifest: Manifest, raw: bytes) -> Iterator[None]:
@@ -113,17 +117,36 @@ class Catalog:
         """Pull-through: have this node look for a new version of ``model`` now; at most once
         a second per model, whoever asks (a client can't make it poll the origin in a loop).
         False when this node doesn't pull through (not a cache node)."""
-        if self.poke is None:
+        return self._at_most_every_second("through", model, self.poke)
+
+    def look_when_told(self, model: str) -> bool:
+        """The cache of this node's cluster started a version of ``model`` (``GET
+        /.wagent/look/{model}``, ``agent.pull.tell``): this node polls now, not at its next
+        poll, up to ``poll_interval`` later. At most once a second per model, whoever asks:
+        anyone who reaches the port can make a node poll its sources, no more often than
+        that. False: not a model this node pulls."""
+        try:
+            check_name("model", model)
+        except ManifestError:
+            return False
+        return self._at_most_every_second("told", model, self.told)
+
+    def _at_most_every_second(self, kind: str, model: str,
+                              act: Callable[[str], bool] | None) -> bool:
+        if act is None:
             return False
         now = self.clock()
+        key = (kind, model)
         with self._lock:
-            last = self._poked.get(model)
+            last = self._poked.get(key)
             if last is not None and now - last[0] < POKE_EVERY:
                 return last[1]
-        through = self.poke(model)
+            if len(self._poked) > 1024:        # names anyone may send: bounded
+                self._poked.clear()
+        done = act(model)
         with self._lock:
-            self._poked[model] = (now, through)
-        return through
+            self._poked[key] = (now, done)
+        return done
 
     def latest(self, model: str) -> str | None:
         """The version a cache announces: the one it is pulling, else its store's ``latest``

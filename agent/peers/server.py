@@ -8,6 +8,8 @@ what a neighbour needs to choose its next piece (``agent.pull.picker``)::
     GET /{model}/{version}/{path}  Range: ...    bytes of a file, verified pieces only
     GET /.wagent/have/{model}/{version}         the have-map: pieces verified here, per file,
                                                 a line now and one at each change (a stream)
+    GET /.wagent/look/{model}                   the cluster's cache started a version of the
+                                                model: poll now (``agent.pull.tell``)
 
 A file's bytes come from its blob when the store has it, else from its partial file, and only
 pieces verified and journaled (``agent.pull.demand``). Headers go out once the first piece is
@@ -286,6 +288,10 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
             parts = [unquote(p) for p in url.path.split("/") if p]
             if len(parts) == 4 and parts[:2] == [".wagent", "have"]:
                 return self._have(parts[2], parts[3], head)
+            if len(parts) == 3 and parts[:2] == [".wagent", "look"]:
+                if not server.catalog.look_when_told(parts[2]):
+                    return self._answer(404, b"not a model pulled here\n", head)
+                return self._answer(200, b"looking\n", head, {"Content-Type": "text/plain"})
             if len(parts) == 2 and parts[1] == "latest":
                 version = server.catalog.latest(parts[0])
                 if version is None:

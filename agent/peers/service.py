@@ -16,7 +16,7 @@ from collections.abc import Callable
 from agent.peers import members
 from agent.peers.catalog import Catalog
 from agent.peers.server import PeerServer, Served
-from agent.peers.swarm import Swarm
+from agent.peers.swarm import Swarm, url
 from agent.policy.model import Peers, Policy
 from agent.pull.demand import Demand
 from agent.store import Store
@@ -34,12 +34,13 @@ class PeerServiceError(Exception):
 class PeerService:
     def __init__(self, policy: Policy, store: Callable[[], Store], demand: Demand,
                  poke: Callable[[str], bool] | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 told: Callable[[str], bool] | None = None) -> None:
         self.policy = policy
         self.store = store
         self.demand = demand
         self.clock = clock
-        self.catalog = Catalog(store, poke, clock)
+        self.catalog = Catalog(store, poke, clock, told)
         self.upload = TokenBucket(policy.peers.upload if policy.peers.enabled else None)
         self.server: PeerServer | None = None
         self.error: str | None = None
@@ -102,6 +103,18 @@ class PeerService:
     def is_peer(self, address: str) -> bool:
         """``address`` is one of the cluster's peers (``peers.hosts`` resolved, at most once a
         minute): it gets one piece at a time from this node, and is never held."""
+        return address.removeprefix("::ffff:") in self._resolved()
+
+    def cluster_urls(self) -> tuple[str, ...]:
+        """Every peer's piece server but this node's own (a cache tells them of a version it
+        starts: ``agent.pull.tell``); none while peers are off."""
+        p = self.policy.peers
+        if not p.enabled:
+            return ()
+        return tuple(url(a, p.port) for a in sorted(self._resolved())
+                     if not members.is_local(a))
+
+    def _resolved(self) -> frozenset[str]:
         now = self.clock()
         with self._lock:
             known = self._peers
@@ -109,7 +122,7 @@ class PeerService:
             known = (now, frozenset(members.resolve(self.policy.peers.hosts)))
             with self._lock:
                 self._peers = known
-        return address.removeprefix("::ffff:") in known[1]
+        return known[1]
 
     def served(self) -> Served:
         """What this node's servers sent since the daemon started."""

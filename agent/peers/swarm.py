@@ -135,7 +135,7 @@ class Swarm:
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return tuple(f"http://{_host(p)}:{self.port}" for p in self.peers)
+        return tuple(url(p, self.port) for p in self.peers)
 
     def rank(self, blob: str, index: int) -> int:
         """This node's place in line for fetching piece ``index`` of ``blob`` from the
@@ -149,5 +149,6 @@ def _place(peers: tuple[str, ...], me: str, blob: str) -> int:
     return order(peers, blob).index(me)
 
 
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
+def url(address: str, port: int) -> str:
+    """A peer's piece server (``agent.peers.server``), by its address."""
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"

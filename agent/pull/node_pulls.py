@@ -22,6 +22,8 @@ The rules:
    and on reload): its cluster then polls it rather than the origin.
 6. A complete version is made current, then its ``on_ready`` hook runs (once per switch).
 7. A pull stalls after the longest wait its deadlines allow without a byte moving, and a minute.
+8. A cache node, as it starts offering a version to its peers, tells them to look now
+   (``agent.pull.tell``); a node told looks now for a model of its policy (:meth:`told`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +42,7 @@ from agent.hooks import run_hook
 from agent.identity import Identity
 from agent.manifest import MAX_MANIFEST_BYTES, Manifest, published_ts
 from agent.policy.model import Model, Policy, Source
-from agent.pull import engine
+from agent.pull import engine, tell
 from agent.pull.connections import Connections
 from agent.pull.demand import Demand
 from agent.pull.options import PullOptions
@@ -85,7 +87,9 @@ class NodePulls:
         # them: who to ask for each piece, and what this node serves while it pulls.
         self.swarm: Callable[[], Peers | None] = lambda: None
         self.offer: Callable[[Manifest, bytes], AbstractContextManager[None]] | None = None
-        self.wake: Callable[[str], None] = lambda model: None    # the worker's: look now
+        self.poll_now: Callable[[str], None] = lambda model: None    # the worker's
+        # Every peer's piece server (their base URLs), whom a cache tells of a version it starts
+        self.cluster: Callable[[], Sequence[str]] = tuple
 
     def update(self, policy: Policy, identity: Identity, store: Store) -> None:
         """A reload: the calls from now on read the new policy, role and store."""
@@ -112,7 +116,15 @@ class NodePulls:
         follows its own schedule, whoever asks)."""
         if not self.cache_node:
             return False
-        self.wake(model)
+        self.poll_now(model)
+        return True
+
+    def told(self, model: str) -> bool:
+        """The cluster's cache started a version of ``model`` (``agent.pull.tell``): look now,
+        on any node. False: not a model of this node's policy."""
+        if not any(m.name == model for m in self.policy.models):
+            return False
+        self.poll_now(model)
         return True
 
     def options(self) -> PullOptions:
@@ -237,10 +249,32 @@ class NodePulls:
         engine.pull_version(self.sources, model.name, version, self.store, options=o,
                             bucket=self.bucket, progress=progress, stop=stop, manifest=fetched,
                             connections=self.connections, demand=self.demand,
-                            peers=None if self.cache_node else self.swarm(), offer=self.offer)
+                            peers=None if self.cache_node else self.swarm(),
+                            offer=self._telling(self.offer) if self.cache_node else self.offer)
         # The version is published and durable by now; the pull succeeded whatever happens in
         # the announcement.
         self.announce(model.name, version)
+
+    def _telling(self, offer: Callable[[Manifest, bytes], AbstractContextManager[None]] | None
+                 ) -> Callable[[Manifest, bytes], AbstractContextManager[None]] | None:
+        """A cache's offer of a version in flight, and its cluster told of it at once (in a
+        thread of its own: the pull doesn't wait on its peers)."""
+        if offer is None:
+            return None
+
+        @contextmanager
+        def offering(m: Manifest, raw: bytes) -> Iterator[None]:
+            with offer(m, raw):
+                urls = tuple(self.cluster())
+                if urls:
+                    threading.Thread(target=self._tell, args=(urls, m.model, m.version),
+                                     name="tell", daemon=True).start()
+                yield
+        return offering
+
+    def _tell(self, urls: Sequence[str], model: str, version: str) -> None:
+        told = tell.tell(urls, model, self.connections)
+        log.info("told %d of %d peers of %s %s", told, len(urls), model, version)
 
     def announce(self, model: str, version: str) -> None:
         """On a cache node, name ``version`` in the store's ``{model}/latest`` (never an older

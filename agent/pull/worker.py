@@ -199,6 +199,16 @@ class Worker:
                 elif n in self._states:
                     self._arm(n, self.deps.clock())
 
+    def poll_now(self, name: str) -> None:
+        """Have a model poll ``latest`` now, not at its next poll time: the cluster's cache
+        started a version (``agent.pull.tell``), or a node asked this cache for one it hasn't
+        seen (pull-through). A wait before retrying a failed step still holds."""
+        with self._lock:
+            st = self._states.get(name)
+            if st is not None:
+                st.resolved_at = None
+        self.wake(name)
+
     def supervise(self) -> None:
         """Stop each running pull that may no longer run: its model left the policy or wants
         another version, or the window closed. Armed at each window's closing; also on reload."""

@@ -16,8 +16,11 @@ gets time for the cache to fill first. For each N and design, the table gives:
   (not with a node killed or a training flow: the plan models neither).
 
 Rows: ``tree`` (nginx over the cache's store, as before peers) and ``peers`` (the shipped
-defaults with peers on). ``--kill`` also kills one node mid-pull in the peers and torrent rows
-and checks that the others finish with every file's sha256 right.
+defaults with peers on). Every daemon polls ``latest`` each second unless ``--node-poll`` gives
+the nodes of the peers rows another interval (the shipped one is 5m): the cache tells them of a
+version as it starts it, so they need not poll to start with it. ``--kill`` also kills one
+node mid-pull in the peers and torrent rows and checks that the others finish with every
+file's sha256 right.
 
 ``torrent`` (issue 27: an existing engine on the same cluster, tests/torrent_bed.py): the same
 switch, cache and N nodes, no wagent anywhere, every host capped at the link both ways by the
@@ -64,6 +67,7 @@ def run(
     cache_lead: str = "0s",
     neighbors: int = 6,
     training: bool = False,
+    node_poll: str | None = None,
 ) -> dict[str, float | str]:
     from agent.units import parse_duration, parse_rate
     from tests import modelgen
@@ -81,6 +85,7 @@ def run(
                 cache_lead=cache_lead,
                 neighbors=neighbors,
                 debug=verbose,
+                node_poll=node_poll if design == "peers" else None,
             ),
         )
         try:
@@ -191,7 +196,8 @@ def run(
                     data = (h.store / "models" / MODEL / "v1" / f["path"]).read_bytes()
                     wrong += hashlib.sha256(data).hexdigest() != f["sha256"]
             return {
-                "design": design,
+                "design": design if c.spec.node_poll is None
+                else f"{design}, nodes poll {c.spec.node_poll}",
                 "n": n,
                 "over": (last - first) / bound,
                 "cache": c.cache_sent("v1", served0) / p.size,
@@ -310,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--training", action="store_true", help="a training flow (iperf3 on port "
                     "29500) from a node while it uploads, against the same flow alone")
+    ap.add_argument("--node-poll", help="the nodes' poll_interval in the peers rows (default: "
+                    "the cache's, 1s; the shipped default is 5m: the cache tells its nodes)")
     ap.add_argument("--neighbors", type=int, default=6, help="peers.neighbors")
     ap.add_argument("--streams", type=int, help="fixed streams (default: the shipped, adaptive)")
     ap.add_argument("-v", "--verbose", action="store_true", help="each node's start and finish")
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run(
                     n, design, parse_size(a.size), a.link, a.kill, a.verbose, a.streams,
                     a.cache_lead, a.neighbors,
-                    a.training,
+                    a.training, a.node_poll,
                 )
             rows.append(r)
             print(f"  {r}", flush=True)

@@ -182,15 +182,20 @@ clusters:
         if n.role == "cache":
             continue
         assert n.source == cache.node and n.origin_bytes == 0
-        # it learns at its first poll once the cache has started (its piece server names the
-        # version it pulls as `latest`), not once it is done
-        assert n.learned == pytest.approx(schedule.next_poll(cache.start, n.node, "model", 1.0),
-                                          abs=1e-6)
+        # it learns as the cache starts (the cache tells its cluster, and its piece server
+        # names the version it pulls as `latest`), not at its next poll, nor once it is done
+        assert n.learned == pytest.approx(cache.start, abs=1e-6)
         assert n.learned < cache.done
         # its own download (GOODPUT of its link) after the pipeline fills, and never before
         # the cache's last piece has reached it
         alone = n.start + delay + 40 * MB / (5e6 * swarm.GOODPUT)
         assert n.done == pytest.approx(max(alone, cache.done + delay), rel=1e-6)
+    # told: a poll every 5 minutes (the default) makes no node wait
+    rare = simulate_fleet(topo, policy(PEERS, spread="0s", lead="0s", poll="5m"),
+                          Rollout(size=40 * MB, published=PUB))
+    rare_cache = next(n for n in rare.nodes if n.role == "cache")
+    assert rare.last_done - rare_cache.start == pytest.approx(plan.last_done - cache.start,
+                                                              abs=1e-6)
     # without peers the cache sends every node its copy, one after the other in effect
     tree = simulate_fleet(topo, policy(spread="0s", lead="0s"),
                           Rollout(size=40 * MB, published=PUB))
@@ -217,6 +222,9 @@ clusters:
     first = min(n.start for n in plan.nodes if n.role != "cache")
     assert first < cache.learned - 1 or cache.start == pytest.approx(first, abs=1e-6)
     assert cache.start <= first + 1e-6 and plan.clusters[0].origin_bytes == pytest.approx(40 * MB)
+    # ...and tells the others, whose own polls would have come up to 30 s later
+    assert max(n.start for n in plan.nodes if n.role != "cache") == pytest.approx(cache.start,
+                                                                                  abs=1e-6)
 
 
 def test_with_peers_a_small_upload_share_slows_the_cluster():

@@ -14,15 +14,20 @@ from agent import schedule
 from agent.application import worker_deps
 from agent.identity import Identity
 from agent.manifest import published_ts
+from agent.peers.catalog import Catalog
+from agent.peers.server import PeerServer
 from agent.policy.model import Model, Policy, Pulls, Source, StoreSettings
 from agent.pull import engine
 from agent.pull.connections import Connections
+from agent.pull.demand import Demand
 from agent.pull.engine import PullOptions, StoreFull, pull_version
 from agent.pull.node_pulls import NodePulls
+from agent.pull.tell import tell
 from agent.pull.worker import Worker
 from agent.store import Store, pointers, space
 from agent.yielding.ratelimit import TokenBucket
 from tests.pull_helpers import FaultyServer, LoopbackNginx, publish, publish_dir
+from tests.waiting import wait_for
 
 # The deadline watchdog and pull sockets' registry these tests' pulls use (the daemon's come
 # from Application, the CLI's from its command).
@@ -244,3 +249,32 @@ def test_the_worker_runs_on_node_pulls_with_the_real_schedule(origin, tmp_path):
         assert (info.state, info.local_version) == ("done", "v1")
         assert pointers.current(pulls.store, "m") == "v1"
         assert manifest_requests(srv) == 1
+
+
+# -- a cache tells its cluster ------------------------------------------------------------------
+def test_a_cache_tells_its_cluster_of_a_version_it_starts_and_a_node_told_looks_now(
+        origin, tmp_path):
+    peer = node(tmp_path / "peer", "http://127.0.0.1:1/")
+    cache_catalog = Catalog(lambda: cache.store)
+    looked: list[tuple[str, str | None]] = []
+    # what the cache names as latest when the peer looks: the version it pulls, already
+    peer.poll_now = lambda model: looked.append((model, cache_catalog.latest(model)))
+    # the peer's clock stands still: its once-a-second bound holds through the test
+    peer_catalog = Catalog(lambda: peer.store, told=peer.told, clock=lambda: 100.0)
+    server = PeerServer("127.0.0.1", 0, peer_catalog, Demand(), lambda: peer.store,
+                        upload=TokenBucket(None), wait=lambda: 1.0, max_connections=4)
+    server.start()
+    try:
+        here = f"http://127.0.0.1:{server.port}"
+        down = "http://127.0.0.1:1"                 # a peer that is down: the others still hear
+        with LoopbackNginx(origin) as ng:
+            cache = node(tmp_path / "cache", ng.url, role="cache")
+            cache.offer = cache_catalog.offering
+            cache.cluster = lambda: (down, here)
+            pull(cache)
+        assert wait_for(lambda: looked == [("m", "v1")])
+        # Only a model of the node's policy; at most once a second per model, whoever asks.
+        assert tell([here], "other", CONNECTIONS) == 0
+        assert tell([here, down], "m", CONNECTIONS) == 1 and looked == [("m", "v1")]
+    finally:
+        server.stop()

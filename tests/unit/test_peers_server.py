@@ -204,3 +204,10 @@ def test_a_cache_names_the_version_it_pulls_and_looks_at_once_for_one_it_has_not
     now[0] += 1.0
     assert catalog.look_now("m") and pokes == ["m", "m"]
     assert not Catalog(lambda: store, poke=lambda model: False).look_now("m")   # not a cache
+    # told by the cache: any node looks, for a name that can be a model's, once a second
+    told: list[str] = []
+    node = Catalog(lambda: store, told=lambda model: told.append(model) is None,
+                   clock=lambda: now[0])
+    assert node.look_when_told("m") and node.look_when_told("m") and told == ["m"]
+    assert not node.look_when_told("../m") and told == ["m"]
+    assert not catalog.look_when_told("m")              # a daemon that can't be told

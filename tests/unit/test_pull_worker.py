@@ -154,6 +154,20 @@ def test_polls_latest_at_once_then_at_the_nodes_poll_times():
     assert 1000.0 < polls[0] <= 1010.0
 
 
+def test_poll_now_polls_before_the_next_poll_time():
+    w = World()
+    w.installed.add(("llama", "v1"))
+    p = Worker(Policy(models=(Model("llama"),), poll_interval=300.0), w.deps())
+    wait = step_all(p)
+    w.now += 1.0
+    assert step_all(p) == pytest.approx(wait - 1.0) and len(w.polls) == 1   # not due yet
+    w.latest = "v2"
+    p.poll_now("llama")                  # told: its cache started v2
+    p.poll_now("gone")                   # a model the policy doesn't have: nothing
+    step_all(p)
+    assert len(w.polls) == 2 and p.snapshot()[0].version == "v2"
+
+
 def test_nodes_started_together_poll_at_their_own_phases():
     firsts = {}
     for node in ("gpu-1", "gpu-2", "gpu-3"):
