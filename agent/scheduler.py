@@ -15,10 +15,12 @@ Three traps in APScheduler 3 are closed here:
   due, after a pull that took longer than the poll interval) can come due before its current
   run has returned: APScheduler then skips it ("maximum number of running instances reached",
   a warning in the journal) and, a DateTrigger having no next run, drops it for good. A job
-  that arms itself from its own run runs again within that run if it is due by the time the
-  run ends, and is added to APScheduler only then otherwise; one skipped all the same (armed
-  from another thread, or due a moment after it was added) is armed again a moment later
-  (``SKIPPED_RETRY``).
+  armed while a run of it is in progress, from that run or from another thread, is taken up
+  as the run ends: run then, within that run, if it is due by then, else added to APScheduler
+  only then. One skipped all the same (due as a run had just ended, before APScheduler took
+  back its instance) is armed again a moment later (``SKIPPED_RETRY``). Before, a job armed
+  from another thread during a pull was skipped and armed again every 10 ms for the rest of
+  the pull, a warning each time.
 
 Works with APScheduler 3.9.1 (Debian 12) and the newest 3.x. Times are POSIX seconds or aware
 datetimes; the scheduler runs in UTC.
@@ -67,9 +69,11 @@ class Scheduler:
         self._lock = threading.Lock()
         # job id -> the one-shot job last armed under it, to arm again if it is skipped
         self._oneshots: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
-        # job id -> the run it armed for itself, taken up when that run ends
+        # job id -> its next run, armed while a run of it was in progress: taken up as that
+        # run ends (added to APScheduler then, it would come due while the run holds the job's
+        # one instance, and be skipped)
         self._deferred: dict[str, datetime] = {}
-        self._running = threading.local()      # .job: the one-shot job this thread runs
+        self._in_run: set[str] = set()         # one-shot jobs whose run is in progress
         self._aps.add_listener(self._skipped, EVENT_JOB_MAX_INSTANCES)
 
     def start(self) -> None:
@@ -97,7 +101,7 @@ class Scheduler:
         args, run_date = tuple(args), _aware(when)
         with self._lock:
             self._oneshots[job_id] = (func, args)
-            if getattr(self._running, "job", None) == job_id:
+            if job_id in self._in_run:       # armed by its run, or by another thread meanwhile
                 self._deferred[job_id] = run_date
                 return
             self._deferred.pop(job_id, None)
@@ -112,15 +116,14 @@ class Scheduler:
     def _run_oneshot(self, job_id: str, func: Callable[..., Any], *args: Any) -> None:
         """Runs the job; then the run it armed for itself: at once, in this same run, if it is
         due already, else added to APScheduler now that nothing of this run is left to do."""
+        with self._lock:
+            self._in_run.add(job_id)
         while True:
-            self._running.job = job_id
             try:
                 func(*args)
             except BaseException:
-                self._running.job = None
                 self._take_deferred(job_id, inline=False)   # a job that raised keeps its next run
                 raise
-            self._running.job = None
             again = self._take_deferred(job_id, inline=True)
             if again is None:
                 return
@@ -128,26 +131,32 @@ class Scheduler:
 
     def _take_deferred(self, job_id: str, inline: bool
                        ) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
-        """The run a job armed for itself, as its run ends: returned to run now (``inline``
-        and due), else added to APScheduler. Added from the run's own thread, not from a
-        listener of its end: APScheduler can call that on its own thread, inside the loop that
-        then removes the finished one-shot job, the new one with it."""
+        """The next run armed while this one ran, as it ends: returned to run now (``inline``
+        and due; the run goes on), else added to APScheduler. Added from the run's own thread,
+        not from a listener of its end: APScheduler can call that on its own thread, inside the
+        loop that then removes the finished one-shot job, the new one with it."""
         with self._lock:
             run_date = self._deferred.pop(job_id, None)
             job = self._oneshots.get(job_id)
-        if run_date is None or job is None or not self._aps.running:
-            return None
-        if inline and run_date <= datetime.now(UTC):
-            return job
-        self._add_oneshot(job_id, run_date, *job)
+            ready = run_date is not None and job is not None and self._aps.running
+            if ready and inline and run_date is not None and run_date <= datetime.now(UTC):
+                return job
+            self._in_run.discard(job_id)
+        if ready and run_date is not None and job is not None:
+            self._add_oneshot(job_id, run_date, *job)
         return None
 
     def _skipped(self, event: JobSubmissionEvent) -> None:
-        """A one-shot job came due while its previous run still ran and APScheduler dropped it
-        (another thread armed it then, or a run armed itself a moment ahead and came due before
-        it had returned): armed again a moment later, and again while that run still hasn't
-        returned, since here a job runs however late (the module's docstring)."""
-        job = self._oneshots.get(event.job_id)
+        """A one-shot job came due while its previous run still ran and APScheduler dropped it.
+        While that run goes on, the run takes it up as it ends; a run that has just ended (its
+        instance not yet given back) gets it again a moment later, and again until it is given
+        back, since here a job runs however late (the module's docstring)."""
+        with self._lock:
+            job = self._oneshots.get(event.job_id)
+            if job is not None and event.job_id in self._in_run:
+                now = datetime.now(UTC)
+                self._deferred[event.job_id] = min(self._deferred.get(event.job_id, now), now)
+                return
         if job is None or not self._aps.running or self._aps.get_job(event.job_id) is not None:
             return      # an interval job (it runs again anyway), or armed anew meanwhile
         func, args = job

@@ -265,16 +265,16 @@ class NodePulls:
         @contextmanager
         def offering(m: Manifest, raw: bytes) -> Iterator[None]:
             with offer(m, raw):
-                urls = tuple(self.cluster())
-                if urls:
-                    threading.Thread(target=self._tell, args=(urls, m.model, m.version),
-                                     name="tell", daemon=True).start()
+                threading.Thread(target=self._tell, args=(m.model, m.version), name="tell",
+                                 daemon=True).start()
                 yield
         return offering
 
-    def _tell(self, urls: Sequence[str], model: str, version: str) -> None:
-        told = tell.tell(urls, model, self.connections)
-        log.info("told %d of %d peers of %s %s", told, len(urls), model, version)
+    def _tell(self, model: str, version: str) -> None:
+        urls = tuple(self.cluster())     # resolved here: a slow DNS never holds the pull
+        if urls:
+            told = tell.tell(urls, model, self.connections)
+            log.info("told %d of %d peers of %s %s", told, len(urls), model, version)
 
     def announce(self, model: str, version: str) -> None:
         """On a cache node, name ``version`` in the store's ``{model}/latest`` (never an older
