@@ -549,9 +549,8 @@ def parse_class(raw: bytes) -> tuple[int, tuple[HtbClassState, dict[str, int]] |
         return index, None
     opts = _find(raw, TCA_OPTIONS, *top)
     parms = _find(raw, TCA_HTB_PARMS, *opts) if opts else None
-    if parms is None or parms[1] - parms[0] < _HTB_OPT.size:
+    if opts is None or parms is None or parms[1] - parms[0] < _HTB_OPT.size:
         return index, None
-    assert opts is not None
     p = _HTB_OPT.unpack_from(raw, parms[0])
     rate = _u64(raw, _find(raw, TCA_HTB_RATE64, *opts)) or p[5]
     ceil = _u64(raw, _find(raw, TCA_HTB_CEIL64, *opts)) or p[11]
