@@ -190,7 +190,8 @@ class Client:
     def ranged(self, url: str, offset: int, size: int, etag: str | None, chunk: int,
                total: int | None = None, meter: Meter | None = None,
                pause: Callable[[], bool] | None = None,
-               arrived: Callable[[int], None] | None = None
+               arrived: Callable[[int], None] | None = None,
+               wait_cut: Callable[[], None] | None = None
                ) -> tuple[str | None, Generator[memoryview, None, None]]:
         """(ETag, body chunks) of bytes [offset, offset+size); every framing rule checked.
 
@@ -202,8 +203,10 @@ class Client:
 
         ``meter``: times each read of the body; its ``abort`` is set to break a blocked read.
 
-        ``pause``: asked between two receives into a chunk; True: hand over what came so far
-        (the fast path's cut is on: ``TokenBucket.paused``, and the bucket holds the reader).
+        ``pause``: asked between two receives into a chunk, and before a receive once its bytes
+        are there; True: hand over what came so far (the fast path's cut is on:
+        ``TokenBucket.paused``, and the bucket holds the reader). ``wait_cut`` waits the cut out
+        when a chunk is paused before its first receive (nothing to hand over).
 
         ``arrived``: told the bytes of each receive as it lands (the stream count measures
         goodput by it: a chunk's bytes all at once would be a megabyte's grain).
@@ -232,7 +235,7 @@ class Client:
             raise
         if meter is not None:
             meter.abort = lambda: _shut_down(r)
-        return new_etag, self._body(r, url, size, chunk, meter, w, pause, arrived)
+        return new_etag, self._body(r, url, size, chunk, meter, w, pause, arrived, wait_cut)
 
     def _refused(self, r: requests.Response, url: str) -> FetchError:
         """The error a response that is not the one asked for raises: an object store's in the
@@ -255,7 +258,8 @@ class Client:
 
     def _body(self, r: requests.Response, url: str, size: int, chunk: int, meter: Meter | None,
               w: Watch, pause: Callable[[], bool] | None = None,
-              arrived: Callable[[int], None] | None = None
+              arrived: Callable[[int], None] | None = None,
+              wait_cut: Callable[[], None] | None = None
               ) -> Generator[memoryview, None, None]:
         """The body in chunks, each a view of one buffer reused for the next (use it at once).
 
@@ -277,9 +281,10 @@ class Client:
                 want = min(len(buf), left)
                 if meter is not None:
                     meter.begin(want)
+                held = False
                 try:
                     if one is not None:
-                        n = _fill(one, buf, want, pause, arrived)
+                        n, held = _fill(one, buf, want, pause, arrived, wait_cut is not None)
                     elif readinto is not None:
                         n = readinto(buf[:want])
                     else:
@@ -298,6 +303,12 @@ class Client:
                 if w.cut is not None:
                     raise FetchError(f"{redact(url)}: {w.why()} after {size - left} of {size} "
                                      "bytes")
+                if held and not n:
+                    # Paused before the chunk's first receive: nothing to hand over, so the
+                    # cut is waited out here (not timed as the network's).
+                    assert wait_cut is not None
+                    wait_cut()
+                    continue
                 if not n:
                     raise FetchError(f"{redact(url)}: body ended after {size - left} of {size} "
                                      "bytes")
@@ -336,14 +347,21 @@ def _failure(w: Watch, e: BaseException) -> str:
     return w.why() if w.cut is not None else adapter.describe(e)
 
 
-def _fill(readinto1: Callable[[memoryview], int], buf: memoryview, want: int,
+def _fill(one: Callable[[memoryview], int], buf: memoryview, want: int,
           pause: Callable[[], bool] | None,
-          arrived: Callable[[int], None] | None = None) -> int:
+          arrived: Callable[[int], None] | None = None,
+          before: bool = False) -> tuple[int, bool]:
     """Receives into ``buf[:want]`` until it is full, the body ends, or ``pause()``; each
-    receive's bytes told to ``arrived``."""
+    receive's bytes told to ``arrived``. Returns the bytes received and whether ``pause()``
+    stopped it before a receive: with ``before``, once the bytes of the next one are there
+    (``OneReceive.ready``), ``pause()`` is asked before they are taken, and they stay in the
+    socket, its window where it was."""
+    ready = getattr(one, "ready", None) if before and pause is not None else None
     n = 0
     while n < want:
-        got = readinto1(buf[n:want])
+        if ready is not None and ready() and pause is not None and pause():
+            return n, True
+        got = one(buf[n:want])
         if not got:
             break
         n += got
@@ -351,4 +369,4 @@ def _fill(readinto1: Callable[[memoryview], int], buf: memoryview, want: int,
             arrived(got)
         if pause is not None and pause():
             break
-    return n
+    return n, False

@@ -785,15 +785,21 @@ class Transfer:
         arrived = getattr(self._local, "arrived", None)
         try:
             pause = self.bucket.paused if self.bucket is not None else None
+            # a reader leaves bytes in its socket during a cut only where cuts can come: the
+            # wait for them is a system call more per receive
+            wait_cut = functools.partial(self.bucket.wait_cut, self.stop) \
+                if self.bucket is not None and self.bucket.cuts else None
             new_etag, body = client.ranged(url, offset, size, etag, chunk, total=f.size,
-                                           meter=meter, pause=pause, arrived=arrived)
+                                           meter=meter, pause=pause, arrived=arrived,
+                                           wait_cut=wait_cut)
         except ChangedError as e:
             # Not the ETag recorded for the file: it changed, or the source is backends with
             # an ETag each for the same bytes. The pieces' sha256 tell which, so this costs no
             # verified piece: the request goes again, without If-Range.
             self._ignore_etags(si, f"{f.path}: ETag {etag} -> {e.etag}")
             new_etag, body = client.ranged(url, offset, size, None, chunk, total=f.size,
-                                           meter=meter, pause=pause, arrived=arrived)
+                                           meter=meter, pause=pause, arrived=arrived,
+                                           wait_cut=wait_cut)
         if new_etag and not etag and trusted:
             # Another stream may have recorded the file's ETag since this request left.
             known = f.partial.record_etag(key, new_etag)

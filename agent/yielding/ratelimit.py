@@ -71,11 +71,22 @@ class TokenBucket:
             self._hold = hold
             self._cond.notify_all()
 
+    @property
+    def cuts(self) -> bool:
+        """A fast path may hold the readers (``hold_on``)."""
+        return self._hold is not None
+
     def paused(self) -> bool:
         """The fast path holds readers now: one filling a chunk hands over what it has (and
         waits in :meth:`consume`)."""
         with self._cond:
             return self._hold is not None and self._hold(self._rate) > 0
+
+    def wait_cut(self, stop: threading.Event | None = None) -> None:
+        """Waits while the fast path's cut lasts (or until ``stop`` is set): for a reader that
+        found bytes waiting and left them in its socket, with nothing to book."""
+        with self._cond:
+            self._held(stop)
 
     def chunk_size(self, largest: int, smallest: int = 16384) -> int:
         """Bytes worth reading per step: about 1/20 s of the current rate, within the bounds."""

@@ -11,6 +11,7 @@ import http.client
 import inspect
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -253,3 +254,72 @@ def test_each_owner_has_its_own_pools():
     a, b = Connections(PullSockets()), Connections(PullSockets())
     assert a.adapter().pools["http"] is not b.adapter().pools["http"]
     assert a.adapter().pools is a.adapter().pools
+
+
+@contextlib.contextmanager
+def halves(first: bytes, second: bytes) -> Iterator[tuple[str, threading.Event]]:
+    """A server that answers one request with ``first``, then ``second`` once the event is
+    set."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    more = threading.Event()
+
+    def answer() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(65536)
+            conn.sendall(first)
+            if more.wait(5):
+                conn.sendall(second)
+            with contextlib.suppress(OSError):
+                conn.recv(1)                     # until the client is done
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/", more
+    finally:
+        more.set()
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        t.join(5)
+
+
+def test_a_held_reader_waits_for_bytes_without_taking_them(session):
+    """``OneReceive.ready``: once http.client's buffer provably holds nothing of the body, it
+    waits on the socket until bytes are there and takes none (a reader the fast path holds
+    leaves them there, its window where it was); before, it can't know and says so."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 20000\r\n\r\n"
+    s, _ = session()
+    with halves(head + b"a" * 10000, b"b" * 10000) as (url, more), \
+            s.get(url, stream=True, timeout=5) as r:
+        one = adapter.readinto1_of(r.raw)
+        assert one is not None and not one.ready()   # the header's read may have read body too
+        buf, got = memoryview(bytearray(20000)), 0
+        while got < 10000:
+            got += one(buf[got:])
+        threading.Timer(0.1, more.set).start()
+        started = time.monotonic()
+        assert one.ready() and time.monotonic() - started >= 0.05   # waited for the second half
+        sock = adapter.socket_of(r.raw)
+        assert sock is not None and sock.recv(1, socket.MSG_PEEK) == b"b"   # still there
+        while got < 20000:
+            got += one(buf[got:])
+        assert bytes(buf) == b"a" * 10000 + b"b" * 10000
+
+
+def test_a_held_readers_wait_ends_at_the_read_timeout(session):
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 20000\r\n\r\n"
+    s, _ = session()
+    with halves(head + b"a" * 10000, b"") as (url, _more), \
+            s.get(url, stream=True, timeout=(5, 0.2)) as r:
+        one = adapter.readinto1_of(r.raw)
+        assert one is not None
+        buf, got = memoryview(bytearray(20000)), 0
+        while got < 10000:
+            got += one(buf[got:])
+        with pytest.raises(TimeoutError):
+            one.ready()                          # as the receive itself would have raised
+        assert adapter.describe(TimeoutError("timed out")) == "timed out reading"
