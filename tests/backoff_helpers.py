@@ -99,11 +99,14 @@ class Windows:
         self.rates, self.budget_s, self.most, self.received = [], None, None, received
         self.training = []
 
-    def guard(self, training):
+    def guard(self, training, announced=False):
         self.training.append(training)
 
     def configure(self, backoff):
         self.budget_s, self.most = backoff.queue_budget, most_in_flight(backoff)
+
+    def expect_cuts(self, bucket):
+        self.bucket = bucket
 
     def set_rate(self, bps):
         self.rates.append(bps)

@@ -110,7 +110,7 @@ class BackoffLoop:
                  set_windows: RateSink | None = None,
                  distribution: DistributionSource | None = None,
                  streams: Callable[[], StreamsSample] | None = None,
-                 training_present: Callable[[bool], Any] | None = None,
+                 training_present: Callable[[bool, bool], Any] | None = None,
                  bursts: BurstGate | None = None, tick: float = 0.1,
                  readers_waiting: Callable[[], bool] | None = None, read_floor: int = 0,
                  clock: Callable[[], float] = time.monotonic,
@@ -134,9 +134,9 @@ class BackoffLoop:
         self.distribution = distribution
         self.streams_source = streams
         # told each tick whether training is on this node (the pull sockets bound their windows
-        # only then); None until the first tick
+        # only then) and whether its bursts come at a known rhythm; None until the first tick
         self.training_present = training_present
-        self._present: bool | None = None
+        self._present: tuple[bool, bool] | None = None
         # the fast path's detector (agent.yielding.bursts): with it, bursts are its and the
         # controller judges only sustained traffic and RDMA; None: the controller judges all
         self.bursts = bursts
@@ -235,14 +235,23 @@ class BackoffLoop:
                 streams = self.streams_source()
             except Exception as e:
                 self._note_error(f"reading the pull sockets: {e}")
-        was_present = bool(self._present)   # what the tick that just ended ran under
+        # what the tick that just ended ran under
+        was_present = self._present is not None and self._present[0]
         present = (readings.training_connections > 0 or bool(readings.nccl)
                    or (not decision.lifted and (decision.state != FULL or (
                        bursts is not None and bursts.recent(now_ns)))))
-        if self.training_present is not None and present != self._present:
+        # the readers stop before its bursts now: they come at a rhythm (agent.yielding.rhythm).
+        # The windows grow only between bursts: grown while the readers are held, they would
+        # let the senders into the burst.
+        announced = bool(present and gate is not None and gate.rhythm is not None
+                         and gate.rhythm.period_ns() is not None)
+        if announced and not (self._present is not None and self._present[1]) \
+                and gate is not None and gate.hold(None) > 0:
+            announced = False
+        if self.training_present is not None and (present, announced) != self._present:
             try:
-                self.training_present(present)
-                self._present = present
+                self.training_present(present, announced)
+                self._present = (present, announced)
             except Exception as e:  # retried next tick
                 on = "on" if present else "off"
                 self._note_error(f"telling the pull sockets training is {on}: {e}")

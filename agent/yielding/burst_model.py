@@ -22,7 +22,7 @@ as other traffic on the link, and sets the rate. So the model runs the shipped p
 copy of them.
 
 The fast path (``backoff.burst_hold``, ``agent.yielding.bursts``) is modelled as shipped: the
-kernel's leaky bucket (``settings_for``: drained at ``link_threshold``, 128 KiB deep) fed the
+kernel's leaky bucket (``settings_for``: drained at ``link_threshold``, 64 KiB deep) fed the
 training bytes as they leave the queue (they reach the node's ingress then); a full bucket cuts
 until ``burst_hold`` after the last byte that found it full; a cut stops the pull's reads, so what
 its windows granted still arrives and fills its buffers, then nothing (the windows are not
@@ -56,7 +56,7 @@ from agent.policy.model import Backoff
 from agent.yielding.bursts import BurstState, Sustained, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect.readings import LinkReading, Readings
-from agent.yielding.sockets import most_in_flight, window_for
+from agent.yielding.sockets import most_in_flight, most_unannounced, window_for
 
 FINE_STEPS = 400          # steps over a burst's own time (size / C)
 COARSE_PER_TICK = 10      # steps per controller tick in the gaps
@@ -113,11 +113,14 @@ class Outcome:
         return rest[min(len(rest) - 1, math.ceil(0.99 * len(rest)) - 1)]
 
 
-def window_total(rate_bps: int | None, path: Link, backoff: Backoff) -> float:
+def window_total(rate_bps: int | None, path: Link, backoff: Backoff,
+                 bucket: int | None = None, announced: bool = True) -> float:
     """The bytes the pull's sockets may have in flight together (``window_for`` per socket;
-    a node with training bursts trains, so their bound holds: ``PullSockets.guard``)."""
+    a node with training bursts trains, so their bound holds: ``PullSockets.guard``, the
+    tighter one while the bursts come unannounced and the fast path's ``bucket`` cuts)."""
+    most = most_in_flight(backoff)
     per = window_for(rate_bps, path.base_rtt, STREAMS, budget_s=backoff.queue_budget,
-                     most=most_in_flight(backoff))
+                     most=most if announced else most_unannounced(most, bucket))
     return math.inf if per is None else float(per * STREAMS)
 
 
@@ -141,7 +144,20 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
     sustained = Sustained()
     rhythm = (rhythm_for(shipped, path.rate_bps, most_in_flight(backoff))
               if shipped is not None and anticipate else None)
-    w = window_total(rate, path, backoff)              # what the receiver allows now
+    bucket = shipped.threshold if shipped is not None else None
+
+    announced = False
+
+    def windows(rate_bps: int | None, held: bool = False) -> float:
+        """What the receiver allows at ``rate_bps``: the bound is the looser one once the
+        bursts' rhythm is known (the backoff loop tells the sockets at its tick, between two
+        bursts: not while the readers are ``held``)."""
+        nonlocal announced
+        known = rhythm is not None and rhythm.period_ns() is not None
+        announced = known and (announced or not held)
+        return window_total(rate_bps, path, backoff, bucket, announced)
+
+    w = windows(rate)                                  # what the receiver allows now
     w_eff = w                                          # what the sender may have in flight
     fast_cut = False
     floor_w = window_total(1, path, backoff)           # the fast path's cut: the windows' floor
@@ -267,7 +283,8 @@ def simulate(path: Link, bursts: Bursts, backoff: Backoff, *, cap_bps: int | Non
                 other = other if flow else 0.0
             link = LinkReading("model", other, other, 0.0, 0.0)
             rate = ctl.step(Readings(at=t, links=(link,)), t).rate_bps
-            w = window_total(rate, path, backoff)
+            w = windows(rate, held=fast_cut or (rhythm is not None
+                                                 and rhythm.wait_ns(int(t * 1e9)) > 0))
             tick_burst_bytes = 0.0
             next_tick += tick
         if fast is not None:

@@ -309,6 +309,8 @@ class ShapingRuntime:
                 self.gate.rhythm.anticipated = old.anticipated
         assert self.bucket is not None
         self.bucket.hold_on(self.gate.hold)
+        if self.sockets is not None:
+            self.sockets.expect_cuts(settings.threshold)
         loop.bursts = self.gate
         if self.fast_path != f"on: {', '.join(links)}":
             log.info("fast path on: the burst detector watches %s", ", ".join(links))
@@ -321,6 +323,8 @@ class ShapingRuntime:
             self.loop.fast_path, self.loop.bursts = why, None
         if self.bucket is not None:
             self.bucket.hold_on(None)
+        if self.sockets is not None:
+            self.sockets.expect_cuts(None)
         self.gate = None
         if self.detector is None:
             return

@@ -85,9 +85,9 @@ MIN_SEGMENTS = 4                 # never clamp below this many segments: fewer s
 # docs/design.md, "Yielding to training traffic", for how it was chosen.
 QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 # What a window granted still arrives after a cut (Linux never retracts one; 6.5's
-# tcp_shrink_window is off by default): a burst that starts then waits behind it. So the pull's
-# windows together stay under this share of the smallest burst the policy protects
-# (backoff.smallest_burst): a burst is slowed by at most about that much before the cut holds.
+# tcp_shrink_window is off by default): a burst that starts then waits behind it. So what the
+# pull's windows put in a burst's way stays under this share of the smallest burst the policy
+# protects (backoff.smallest_burst): a burst is slowed by at most about that much.
 BURST_SHARE = 0.03
 
 # struct tcp_info offsets (include/uapi/linux/tcp.h); fields past the end of what an older
@@ -189,6 +189,10 @@ class PullSockets:
                  bases: BaseRtts | None = None, most: int | None = None) -> None:
         self.budget_s = budget_s
         self.most = most                 # bytes the windows may hold together (None: no bound)
+        self._bucket: int | None = None  # the fast path's bucket (``expect_cuts``)
+        # ...while training bursts come unannounced (no rhythm to stop before them)
+        self.unannounced = most
+        self._announced = False
         # whether training is on this node (the backoff loop says, each tick): the bound on
         # what the windows hold together protects bursts, and a node without training has none
         self._guarded = True
@@ -213,6 +217,16 @@ class PullSockets:
         with self._lock:
             self.budget_s = backoff.queue_budget
             self.most = most_in_flight(backoff)
+            self.unannounced = most_unannounced(self.most, self._bucket)
+            self._dirty = True
+
+    def expect_cuts(self, bucket: int | None) -> None:
+        """The fast path's detector cuts once its bucket holds ``bucket`` foreign bytes (None:
+        no fast path): while bursts come unannounced the windows hold less
+        (``most_unannounced``)."""
+        with self._lock:
+            self._bucket = bucket
+            self.unannounced = most_unannounced(self.most, bucket)
             self._dirty = True
 
     # -- the HTTP layer's side ---------------------------------------------------------------
@@ -239,13 +253,15 @@ class PullSockets:
             self._apply_locked()
 
     # -- the backoff loop's side ---------------------------------------------------------------
-    def guard(self, training: bool) -> None:
+    def guard(self, training: bool, announced: bool = False) -> None:
         """Whether training is on this node now (a training port, a process mapping libnccl,
-        or the controller backed off or ramping): the windows hold at most ``most`` together
-        only then, so a node that never trains pulls at the link's rate on any path."""
+        or the controller backed off or ramping): the windows are bounded only then, so a node
+        that never trains pulls at the link's rate on any path. ``announced``: its bursts come
+        at a rhythm the readers stop before (``agent.yielding.rhythm``): ``most`` together;
+        else ``unannounced``."""
         with self._lock:
-            if training != self._guarded:
-                self._guarded = training
+            if (training, announced) != (self._guarded, self._announced):
+                self._guarded, self._announced = training, announced
                 self._apply_locked()
 
     def set_rate(self, rate_bps: int | None) -> None:
@@ -341,7 +357,7 @@ class PullSockets:
         # neighbour, and the have-maps' long polls), and counting them cut each busy socket's
         # window to a fraction of its share.
         self._applied_n = _active(live, now)
-        most = self.most if self._guarded else None
+        most = None if not self._guarded else self.most if self._announced else self.unannounced
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:
@@ -373,10 +389,31 @@ class PullSockets:
 
 
 def most_in_flight(backoff: Backoff) -> int | None:
-    """What the pull's windows may hold together under ``backoff`` (None: no bound)."""
+    """What the pull's windows may hold together under ``backoff`` while the readers stop
+    before each burst (its rhythm known: what the windows granted drains before the burst is
+    due, ``agent.yielding.bursts.rhythm_for``); None: no bound."""
     if not backoff.smallest_burst:
         return None
     return max(1, int(BURST_SHARE * backoff.smallest_burst))
+
+
+def most_unannounced(most: int | None, bucket: int | None) -> int | None:
+    """What the windows may hold together while bursts come unannounced and the fast path's
+    detector cuts once its bucket holds ``bucket`` foreign bytes (None: no fast path, ``most``).
+
+    A burst the detector sees meets the windows twice: they stand in the bottleneck's queue
+    when its first byte comes, and what they granted before the cut still arrives after it.
+    And while the bucket fills the FIFO shares the link, so the pull takes about as much as
+    half the bucket. So ``2 x windows + bucket / 2`` stays under ``most`` (``BURST_SHARE`` of
+    the smallest burst). Traced at 1 Gbit/s (6 MB bursts, 2 streams of 60 kB): 4 windows' worth
+    met each burst, 2 before the cut and 2 after.
+
+    >>> most_unannounced(120_000, 65_536)
+    43616
+    """
+    if most is None or bucket is None:
+        return most
+    return max(1, (most - bucket // 2) // 2)
 
 
 def buffer_for(window: int, scale: float = DEFAULT_SCALE) -> int:

@@ -51,30 +51,32 @@ def test_the_fast_path_the_issue_modelled_gives_its_figures():
 
 
 def test_the_shipped_fast_path_takes_the_gaps_and_keeps_the_bursts():
-    """The kernel's detector as shipped (burst_hold 5 ms, 128 KiB bucket) at 1 Gbit/s, 24 MB
+    """The kernel's detector as shipped (burst_hold 5 ms, 64 KiB bucket) at 1 Gbit/s, 24 MB
     every 0.5 s: the bench measured p50 1.006-1.013x and the pull taking the gaps at ~950 Mbit/s
     within 10 ms; the model gives about 1.01x and 98% of the idle capacity. At 100 Gbit/s the
-    bursts are seen too (the ticks missed them), and the windows' bound (120 kB per round trip)
-    is what limits the pull."""
+    bursts are seen too (the ticks missed them), and the windows' bound is what limits the
+    pull: 44 kB per round trip for the first five bursts (unannounced), 120 kB once their
+    rhythm is known (19% of the gaps with 120 kB all along)."""
     bursts = Bursts(24 * MB, 0.5, 8)
     one = simulate(Link(G, 50e-6), bursts, Backoff())
     assert one.p50 == pytest.approx(1.011, abs=0.01) and one.idle_used > 0.95
     hundred = simulate(Link(100 * G, 50e-6), bursts, Backoff())
     ticks = simulate(Link(100 * G, 50e-6), bursts, TICKS)
     assert hundred.p99 < 1.02 < ticks.p50
-    assert hundred.idle_used == pytest.approx(0.19, abs=0.03)
+    assert hundred.idle_used == pytest.approx(0.13, abs=0.03)
 
 
 def test_periodic_bursts_are_anticipated_once_their_rhythm_is_known():
     """6 MB every 0.12 s: detected, a burst meets what the windows granted and what the bucket
-    let through (1.05x at 1 Gbit/s); anticipated from the sixth on, nothing (1.002x), at any
-    rate (a burst of 0.5 ms at 100 Gbit/s too)."""
+    let through (1.02x at 1 Gbit/s; 1.05x with a 128 KiB bucket and the windows' looser bound);
+    anticipated from the sixth on, nothing (1.002x), at any rate (a burst of 0.5 ms at
+    100 Gbit/s too). The windows grow to the looser bound between two bursts, never into one."""
     for rate in (G, 100 * G):
         r = simulate(Link(rate, 50e-6), Bursts(6 * MB, 0.12, 12), Backoff())
-        assert max(r.slowdowns[5:]) < 1.01 < min(r.slowdowns[:5]), r.slowdowns
+        assert max(r.slowdowns[5:]) < 1.005 < min(r.slowdowns[:5]), r.slowdowns
         plain = simulate(Link(rate, 50e-6), Bursts(6 * MB, 0.12, 12), Backoff(),
                          anticipate=False)
-        assert min(plain.slowdowns[5:]) > 1.01
+        assert min(plain.slowdowns[5:]) > 1.005
 
 
 def test_the_windows_are_the_pull_sockets_own():

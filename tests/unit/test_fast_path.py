@@ -16,6 +16,7 @@ from agent.yielding.bursts import (
     BurstState,
     Sustained,
     parse_state,
+    rhythm_for,
     settings_for,
     slow_view,
 )
@@ -51,7 +52,7 @@ def test_the_program_is_whole_and_every_jump_lands_inside_it():
 
 def test_settings_follow_the_policy():
     s = settings_for(Backoff(burst_hold=0.002).resolved(10 * G))
-    assert s == bpf.Settings(drain=62_500_000, threshold=128 * 1024, hold_ns=2 * MS,
+    assert s == bpf.Settings(drain=62_500_000, threshold=64 * 1024, hold_ns=2 * MS,
                              merge_ns=4 * MS)
     assert settings_for(Backoff(burst_hold=None).resolved(G)) is None
     assert settings_for(Backoff(enabled=False).resolved(G)) is None
@@ -92,10 +93,10 @@ def test_the_bucket_waits_out_a_cut_then_books():
 
 def test_the_bucket_says_when_readers_are_paused():
     bucket = TokenBucket(None)
-    assert not bucket.paused()                      # no fast path
+    assert not bucket.paused() and not bucket.cuts  # no fast path
     wait = [0.01]
     bucket.hold_on(lambda rate: wait[0])
-    assert bucket.paused()
+    assert bucket.paused() and bucket.cuts
     wait[0] = 0.0
     assert not bucket.paused()
 
@@ -162,24 +163,93 @@ def test_with_the_fast_path_training_present_bounds_the_windows_but_keeps_the_ra
     """A node that trains all the time (libnccl mapped, bursts) keeps its cap between bursts:
     the fast path yields to each burst; the windows stay bounded while training is there."""
     now = [5 * 10**9]
-    told: list[bool] = []
+    told: list[tuple[bool, bool]] = []
     gate = BurstGate(values(cut_until=now[0] - 50 * MS, cut_start=now[0] - 250 * MS, bursts=4),
                      floor=lambda: 2_000_000, clock_ns=lambda: now[0])
     dets = FakeDetectors()
     dets.next = readings(4e8, nccl=True)          # a tick with a burst in it, NCCL there
     clock = [0.0]
     loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, bursts=gate,
-                       training_present=told.append, clock=lambda: clock[0])
+                       training_present=lambda *told_now: told.append(told_now),
+                       clock=lambda: clock[0])
     for _ in range(5):
         clock[0] += 0.1
         d = loop.tick()
     assert d.state == FULL and d.rate_bps == G
-    assert told == [True]
+    assert told == [(True, False)]              # bursts, no rhythm: they come unannounced
     st = loop.status()
     assert st.bursts is not None and st.bursts.bursts == 4
     # without the fast path, the same ticks back off to the floor
     loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, clock=lambda: clock[0])
     assert loop.tick().state != FULL
+
+
+def test_the_sockets_hear_when_the_bursts_come_at_a_rhythm():
+    """Unannounced bursts meet the windows and the bucket's filling; once the readers stop
+    before each burst (its rhythm known), the windows may hold the looser bound again."""
+    now = [5 * 10**9]
+    told: list[tuple[bool, bool]] = []
+    rhythm = rhythm_for(settings_for(Backoff().resolved(G)), G, 120_000)
+    gate = BurstGate(values(cut_until=now[0] - 50 * MS, cut_start=now[0] - 60 * MS, bursts=5),
+                     floor=lambda: 2_000_000, clock_ns=lambda: now[0], rhythm=rhythm)
+    dets = FakeDetectors()
+    dets.next = readings()
+    clock = [0.0]
+    loop = BackoffLoop(Controller(Backoff(), G, link_bps=G), dets, bursts=gate,
+                       training_present=lambda *told_now: told.append(told_now),
+                       clock=lambda: clock[0])
+    clock[0] += 0.1
+    loop.tick()
+    for k in range(1, 6):                         # a burst every 120 ms
+        rhythm.see(now[0] - 60 * MS - (5 - k) * 120 * MS)
+    clock[0] += 0.1
+    loop.tick()
+    assert told == [(True, False), (True, True)]
+
+
+def test_a_held_reader_leaves_bytes_that_are_there_in_the_socket():
+    """A reader waiting for its next receive when the cut begins takes nothing once the bytes
+    are there: taking them would free their room, and the window advertised with it would let
+    its sender send into the burst."""
+    from agent.pull.client import _fill
+
+    class One:
+        def __init__(self) -> None:
+            self.received = [b"a" * 10, b"b" * 10]
+            self.waited = 0
+
+        def ready(self) -> bool:
+            self.waited += 1
+            return True
+
+        def __call__(self, view: memoryview) -> int:
+            data = self.received.pop(0) if self.received else b""
+            if len(data) > len(view):
+                data, rest = data[:len(view)], data[len(view):]
+                self.received.insert(0, rest)
+            view[:len(data)] = data
+            return len(data)
+
+    one, paused = One(), [False]
+    buf = memoryview(bytearray(100))
+    assert _fill(one, buf, 15, lambda: paused[0], before=True) == (15, False)
+    paused[0] = True
+    assert _fill(one, buf, 100, lambda: paused[0], before=True) == (0, True)
+    assert one.received == [b"b" * 5]             # left where it was
+    assert _fill(one, buf, 100, lambda: paused[0]) == (5, False)   # not asked before: read
+
+
+def test_a_reader_with_nothing_to_hand_over_waits_the_cut_out():
+    bucket = TokenBucket(None)
+    ends = time.monotonic() + 0.05
+    bucket.hold_on(lambda rate: max(0.0, ends - time.monotonic()))
+    started = time.monotonic()
+    bucket.wait_cut()
+    assert time.monotonic() - started >= 0.045
+    stop = threading.Event()
+    stop.set()
+    bucket.hold_on(lambda rate: 60.0)
+    bucket.wait_cut(stop)                         # a stop ends it at once
 
 
 def test_a_chunk_is_filled_receive_by_receive_and_handed_over_at_a_pause():
@@ -193,10 +263,10 @@ def test_a_chunk_is_filled_receive_by_receive_and_handed_over_at_a_pause():
         return len(data)
 
     buf = memoryview(bytearray(100))
-    assert _fill(one, buf, 25, lambda: False) == 25             # full: three receives
+    assert _fill(one, buf, 25, lambda: False) == (25, False)    # full: three receives
     assert bytes(buf[:25]) == b"a" * 10 + b"b" * 10 + b"c" * 5
-    assert _fill(one, buf, 100, lambda: True) == 10             # paused: the one receive only
-    assert _fill(one, buf, 100, lambda: False) == 0             # the body ended
+    assert _fill(one, buf, 100, lambda: True) == (10, False)    # paused: the one receive only
+    assert _fill(one, buf, 100, lambda: False) == (0, False)    # the body ended
 
 
 def test_each_receive_is_told_as_it_lands():
@@ -211,5 +281,5 @@ def test_each_receive_is_told_as_it_lands():
         return len(data)
 
     told: list[int] = []
-    assert _fill(one, memoryview(bytearray(20)), 20, None, told.append) == 20
+    assert _fill(one, memoryview(bytearray(20)), 20, None, told.append) == (20, False)
     assert told == [7, 10, 3]

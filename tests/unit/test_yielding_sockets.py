@@ -15,6 +15,7 @@ from agent.yielding.sockets import (
     PullSockets,
     buffer_for,
     most_in_flight,
+    most_unannounced,
     parse_tcp_info,
     window_for,
 )
@@ -251,6 +252,30 @@ def test_a_node_without_training_lifts_the_bound():
     assert reg.sample().window == window_for(100 * G, None, 0) == 12_500_000
     reg.guard(True)
     assert reg.sample().window == 120_000
+
+
+def test_bursts_that_come_unannounced_meet_smaller_windows():
+    """A burst the detector sees meets the windows twice (the queue at its start, what they
+    granted before the cut) and about half the bucket: twice the windows and half the bucket
+    stay under the share. Once the rhythm is known the readers stop before each burst."""
+    assert most_unannounced(120_000, 64 * 1024) == (120_000 - 32_768) // 2
+    assert most_unannounced(120_000, None) == 120_000          # no fast path
+    assert most_unannounced(None, 64 * 1024) is None           # no bound at all
+    assert most_unannounced(30_000, 64 * 1024) == 1            # the floor of segments then
+    reg = PullSockets()
+    reg.configure(Backoff())
+    reg.set_rate(100 * G)
+    assert reg.sample().window == 120_000                      # no fast path yet
+    reg.expect_cuts(64 * 1024)
+    assert reg.sample().window == 43_616
+    reg.guard(True, announced=True)
+    assert reg.sample().window == 120_000
+    reg.guard(True, announced=False)
+    assert reg.sample().window == 43_616
+    reg.configure(Backoff(smallest_burst=8 * 10**6))          # a reload keeps the bucket
+    assert reg.sample().window == (240_000 - 32_768) // 2
+    reg.expect_cuts(None)
+    assert reg.sample().window == 240_000
 
 
 def test_a_window_is_never_under_four_of_the_paths_own_segments():
