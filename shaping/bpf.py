@@ -17,7 +17,7 @@ share of the link never fills it), and a cut: when the bucket holds ``threshold`
 lasts until ``hold`` ns after the last packet that found it that full; a cut that starts within
 ``merge`` ns of the last one's end is the same burst (its sender paused: a start and a count per
 burst, which the rhythm of periodic bursts is read from). A burst at line rate fills
-it in ``threshold / rate`` (128 KiB: 1 ms at 1 Gbit/s, 10 us at 100 Gbit/s); background traffic
+it in ``threshold / rate`` (64 KiB: 0.5 ms at 1 Gbit/s, 5 us at 100 Gbit/s); background traffic
 (ssh, metrics, a GRO'd 64 KB aggregate now and then) never does. Times are CLOCK_MONOTONIC
 (``bpf_ktime_get_ns``), which Python's ``time.monotonic_ns`` reads too.
 

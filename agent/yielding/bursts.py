@@ -51,9 +51,12 @@ from shaping.bpf import BURSTS, CUT_START, CUT_UNTIL, FOREIGN, HELD, LEVEL, Sett
 # one tick in two or three; a flow with gaps (CPU, pacing) longer than the hold, nearly all.
 SUSTAINED = 1.0
 SUSTAINED_SHARE = 0.5
-# The detector's bucket must hold this much before it cuts: more than one GRO aggregate (64 KB)
-# of someone's background flow, little next to a burst (1 ms at 1 Gbit/s).
-THRESHOLD_MIN = 128 * 1024
+# The detector's bucket must hold this much before it cuts: more than one GRO aggregate of
+# someone's background flow (GRO keeps an aggregate under 64 KiB, gro_max_size's default), as
+# little as that next to a burst: while it fills, the pull shares the link with the burst and
+# takes about half of it (``sockets.most_unannounced``). 128 KiB cost a 6 MB burst at 1 Gbit/s
+# a millisecond more than this.
+THRESHOLD_MIN = 64 * 1024
 # A cut that starts within this many holds of the last one's end is the same burst: its sender
 # paused mid-burst (seen: a Python sender stalled over 5 ms on a busy machine, 4 cuts counted
 # for 3 bursts), and a burst counted twice breaks the rhythm read from the cuts' starts. The
@@ -72,7 +75,7 @@ def settings_for(backoff: Backoff) -> Settings | None:
 
     >>> from agent.policy.model import Backoff
     >>> settings_for(Backoff().resolved(10**9))
-    Settings(drain=6250000, threshold=131072, hold_ns=5000000, merge_ns=10000000)
+    Settings(drain=6250000, threshold=65536, hold_ns=5000000, merge_ns=10000000)
     """
     if not backoff.enabled or backoff.burst_hold is None:
         return None

@@ -3,10 +3,11 @@ the pull can stop just before the next one instead of a detection after its star
 in, a wait out.
 
 What a cut can't take back (``agent.yielding.sockets``: what the windows granted) and what the
-detector lets through before its bucket is full (128 KiB) both arrive after a burst's first byte
-at the bottleneck: at 1 Gbit/s about 250 kB, 4% of a 6 MB burst (bench and model: p50 1.04-1.05x
-for 6 MB every 0.12 s, where the target is 1.02x). Held ``lead`` before the burst is due, the
-pull has nothing in flight when it comes.
+detector lets through before its bucket is full (64 KiB) both arrive after a burst's first byte
+at the bottleneck: at 1 Gbit/s about 120 kB with the windows' bound for unannounced bursts, 2%
+of a 6 MB burst (250 kB, 4%, with a 128 KiB bucket and the looser bound). Held ``lead`` before
+the burst is due, the pull has nothing in flight when it comes, and the windows may hold the
+looser bound again (``sockets.most_in_flight``).
 
 The rule: the cuts' starts (``BurstState.cut_start_ns``, one per burst) are kept; when the last
 ``KEEP`` came at a steady period (each gap within ``JITTER`` of their median, between

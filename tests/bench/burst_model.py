@@ -6,7 +6,7 @@ For each burst pattern and link rate, the bursts' slowdown (p99 after the first,
 and the idle capacity the pull used, from ``agent.yielding.burst_model`` (one bottleneck, the
 shipped controller), for:
 
-- ``shipped``: the fast path as shipped (the kernel's leaky bucket, 128 KiB deep, drained at
+- ``shipped``: the fast path as shipped (the kernel's leaky bucket, 64 KiB deep, drained at
   5% of the link; the readers held until 5 ms after a burst; the windows' burst bound), which
   is also what ``wagent plan --bursts`` prints;
 - ``ticks alone``: the slow path only (100 ms tick, 5% threshold, 3 s quiet), what a node

@@ -72,5 +72,5 @@ def test_the_gate_holds_for_a_due_burst_before_the_detector_sees_it():
 def test_the_lead_covers_the_bucket_filling_and_the_windows_draining():
     s = settings_for(Backoff().resolved(10**9))
     r = rhythm_for(s, 10**9, 120_000)
-    assert r.lead_ns == 1_000_000 + 1_048_576 + 960_000       # 1 ms + 128 KiB + 120 kB at 1G
+    assert r.lead_ns == 1_000_000 + 524_288 + 960_000         # 1 ms + 64 KiB + 120 kB at 1G
     assert rhythm_for(s, 100 * 10**9, 120_000).lead_ns < 1_100_000
