@@ -243,11 +243,10 @@ class BackoffLoop:
         # the readers stop before its bursts now: they come at a rhythm (agent.yielding.rhythm).
         # The windows grow only between bursts: grown while the readers are held, they would
         # let the senders into the burst.
-        announced = bool(present and gate is not None and gate.rhythm is not None
-                         and gate.rhythm.period_ns() is not None)
-        if announced and not (self._present is not None and self._present[1]) \
-                and gate is not None and gate.hold(None) > 0:
-            announced = False
+        was_announced = self._present is not None and self._present[1]
+        announced = (present and gate is not None and gate.rhythm is not None
+                     and gate.rhythm.period_ns() is not None
+                     and (was_announced or gate.hold(None) == 0))
         if self.training_present is not None and (present, announced) != self._present:
             try:
                 self.training_present(present, announced)

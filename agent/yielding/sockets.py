@@ -190,8 +190,7 @@ class PullSockets:
         self.budget_s = budget_s
         self.most = most                 # bytes the windows may hold together (None: no bound)
         self._bucket: int | None = None  # the fast path's bucket (``expect_cuts``)
-        # ...while training bursts come unannounced (no rhythm to stop before them)
-        self.unannounced = most
+        # whether training's bursts come at a rhythm the readers stop before (``guard``)
         self._announced = False
         # whether training is on this node (the backoff loop says, each tick): the bound on
         # what the windows hold together protects bursts, and a node without training has none
@@ -217,7 +216,6 @@ class PullSockets:
         with self._lock:
             self.budget_s = backoff.queue_budget
             self.most = most_in_flight(backoff)
-            self.unannounced = most_unannounced(self.most, self._bucket)
             self._dirty = True
 
     def expect_cuts(self, bucket: int | None) -> None:
@@ -226,7 +224,6 @@ class PullSockets:
         (``most_unannounced``)."""
         with self._lock:
             self._bucket = bucket
-            self.unannounced = most_unannounced(self.most, bucket)
             self._dirty = True
 
     # -- the HTTP layer's side ---------------------------------------------------------------
@@ -258,7 +255,7 @@ class PullSockets:
         or the controller backed off or ramping): the windows are bounded only then, so a node
         that never trains pulls at the link's rate on any path. ``announced``: its bursts come
         at a rhythm the readers stop before (``agent.yielding.rhythm``): ``most`` together;
-        else ``unannounced``."""
+        else ``most_unannounced``."""
         with self._lock:
             if (training, announced) != (self._guarded, self._announced):
                 self._guarded, self._announced = training, announced
@@ -357,7 +354,8 @@ class PullSockets:
         # neighbour, and the have-maps' long polls), and counting them cut each busy socket's
         # window to a fraction of its share.
         self._applied_n = _active(live, now)
-        most = None if not self._guarded else self.most if self._announced else self.unannounced
+        most = (None if not self._guarded else self.most if self._announced
+                else most_unannounced(self.most, self._bucket))
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:
