@@ -21,7 +21,10 @@ bursts on an unlisted port, acked by the receiver (tests/testbed/bursts.py), onc
 training's rate or burst times vs alone; the pull alone (the seconds before the training starts);
 the pull's goodput while the bursts run, as a share of the idle capacity between them; the
 puller's CPU time over the bursts (its whole process tree, all threads, as a share of one core);
-the time the pull takes, after a sustained flow ends, to be back at 80% of the link. References
+the time the pull takes, after a sustained flow ends, to be back at 80% of the link. A puller
+that finishes the model within a scenario starts again on an empty store (a new process that
+knows nothing of the training yet): the burst it meets first counts as a first (marked * in the
+per-burst lists), not among the p50 and p99 of the bursts after the first. References
 are measured in the same run: the flow alone (before and after the pullers, their mean; before
 only when no flow scenario runs) and the bursts alone, for each pattern.
 
@@ -251,17 +254,25 @@ class Bursts:
     cpu: float | None = None              # puller's CPU seconds / wall seconds over the bursts
     done_after: float | None = None       # --until-done: s from the puller's start to its exit 0
     ideal: float | None = None            # --until-done: model / idle capacity between bursts
+    # Bursts that were a pull's first: the first of the run, and the first a puller met after
+    # it finished the model and started again (a new `wagent pull` process knows nothing of
+    # the training yet, as the first did): counted as firsts, not among the p50 and p99.
+    firsts: list[int] = field(default_factory=lambda: [0])     # a list: the JSON has it too
+
+    def _after_first(self) -> list[float]:
+        rest = [s for i, s in enumerate(self.seconds) if i not in self.firsts]
+        return rest or self.seconds
 
     @property
     def first(self) -> float:
-        return self.seconds[0]
+        return max(self.seconds[i] for i in self.firsts if i < len(self.seconds))
 
     @property
     def p50(self) -> float:
-        return statistics.median(self.seconds[1:] or self.seconds)
+        return statistics.median(self._after_first())
 
     def p99(self, after_first: bool = True) -> float:
-        s = sorted(self.seconds[1:] if after_first and len(self.seconds) > 1 else self.seconds)
+        s = sorted(self._after_first() if after_first else self.seconds)
         return s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
 
 
@@ -274,6 +285,22 @@ class PullerRun:
     load: list[str] = field(default_factory=list)      # 1-min load average after each scenario
     notes: list[str] = field(default_factory=list)
 
+
+
+def restart_times(log: str, offset: float) -> list[float]:
+    """When a puller's loop started the pull again (its RESTARTED lines carry the wall clock),
+    on this process's monotonic clock (``offset``: wall minus monotonic, taken now).
+
+    >>> restart_times("x\\nRESTARTED 1000.5\\nRESTARTED\\n", 900.0)
+    [100.5]
+    """
+    out = []
+    for line in log.splitlines():
+        parts = line.split()
+        if parts[:1] == ["RESTARTED"] and len(parts) == 2:
+            with contextlib.suppress(ValueError):
+                out.append(float(parts[1]) - offset)
+    return out
 
 # --- the benchmark ----------------------------------------------------------------------------
 class Bench:
@@ -356,8 +383,8 @@ class Bench:
             # A puller that yields to nothing may finish the model within a scenario: it starts
             # again on an empty store, so the scenario keeps something pulling beside it (and
             # the log says so: RESTARTED lines).
-            loop = (f'while :; do "$@"; echo RESTARTED; rm -rf {store}; mkdir -p {store}; '
-                    'done')
+            loop = (f'while :; do "$@"; echo RESTARTED $(date +%s.%N); rm -rf {store}; '
+                    f'mkdir -p {store}; done')
         proc = self.node.popen(["sh", "-c", loop, "puller", *argv],  # type: ignore[attr-defined]
                                log=f"yield-{name.split()[0]}")
         return proc, store
@@ -385,11 +412,12 @@ class Bench:
         finally:
             self.stop_puller(puller, store)
             stop(sproc)
-        restarts = Path(puller.log_path).read_text(errors="replace").count("RESTARTED")
+        log = Path(puller.log_path).read_text(errors="replace")
+        restarted = restart_times(log, time.time() - time.monotonic())
         label = what if pattern is None else f"{what} {pattern.label}"
-        if restarts:
+        if "RESTARTED" in log:
             run.notes.append(f"{label}: {name} finished the model and started again "
-                             f"{restarts}x")
+                             f"{log.count('RESTARTED')}x")
         s = Samples.read(slog)
         run.alone.append(s.rate(s.dist, t_ready - 3.0, t_ready - 0.1))
         run.load.append(Path("/proc/loadavg").read_text().split()[0])
@@ -399,6 +427,11 @@ class Bench:
             idle = idle_between(starts, starts[0][0], starts[-1][1])
             pulled = s.bytes(s.dist, starts[0][0], starts[-1][1]) * 8
             b.pull_share = pulled / (self.t0_bps * idle) if idle > 0 else None
+            for at in restarted:
+                # the burst under way when the new pull started, or the next one
+                met = [i for i, (_, end) in enumerate(starts) if end >= at]
+                if met and met[0] not in b.firsts:
+                    b.firsts.append(met[0])
             if cpu0 is not None and cpu1 is not None:
                 b.cpu = (cpu1 - cpu0) / (t_end - t_ready)
             run.bursts[pattern.label] = b
@@ -650,7 +683,9 @@ class Results:
                     print(f"  {what} flow per second (Mbit/s): "
                           + " ".join(f"{r / 1e6:.0f}" for r in f.intervals))
             for label, b in run.bursts.items():
-                print(f"  bursts {label} (ms): " + " ".join(f"{1000 * s:.0f}" for s in b.seconds))
+                print(f"  bursts {label} (ms; *: a pull's first): " + " ".join(
+                    f"{1000 * s:.0f}{'*' if i in b.firsts else ''}"
+                    for i, s in enumerate(b.seconds)))
             for n in run.notes:
                 print(f"  note: {n}")
         print("  T0 per second (Mbit/s): " + " ".join(f"{r / 1e6:.0f}" for r in self.t0.intervals))
