@@ -73,7 +73,9 @@ def test_clamp_follows_the_rate_on_live_sockets(pair):
     assert handshake is not None and handshake < 0.01
     assert clamp(client) == window_for(G, handshake, 1, budget_s=0.001)   # 125000 + 125/us
     assert client.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= 2 * 125000
-    reg.set_rate(10 * M)                              # backed off: a few segments
+    reg.set_rate(10 * M)                              # slower: 20 ms of it (a reader's stall)
+    assert clamp(client) == window_for(10 * M, handshake, 1, budget_s=0.001) >= 25_000
+    reg.set_rate(1 * M)                               # backed off: a few segments
     assert clamp(client) == MIN_SEGMENTS * 1448
     small = client.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     assert small < 4 * MIN_SEGMENTS * 1448
