@@ -91,8 +91,9 @@ QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 # LEAST_TOTAL: what the fast path's detector lets through before it cuts anyway (its bucket,
 # ``bursts.THRESHOLD_MIN``). From about 500 Mbit/s the budget gives more; the burst bounds
 # (``most``) cap it like the rest. Measured on the peers bench (40 Mbit/s links, where a
-# millisecond is 4 segments; 25 daemons on 2 cores): the last node at 24 nodes 2.32-2.46 S/B
-# against 2.79-3.04 without, the same at 8 nodes.
+# millisecond is 4 segments; 25 daemons on 2 cores): the last node at 24 nodes 2.32-2.49 S/B
+# against 2.79-3.04 without, the same at 8 nodes. On a link of 500 Mbit/s or more 64 KiB is
+# within the budget at the link's rate, whatever rate the controller allows the pull.
 READER_STALL = 0.020
 LEAST_TOTAL = 64 * 2**10
 # What a window granted still arrives after a cut (Linux never retracts one; 6.5's
