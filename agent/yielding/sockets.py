@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 from agent.policy.model import Backoff
 from agent.yielding.base_rtt import BaseRtts
+from agent.yielding.bursts import THRESHOLD_MIN
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +90,13 @@ QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 # came late by p99 2.4 ms alone and 22 ms behind another thread of the process) leaves the link
 # idle. So the queue they may keep is at least READER_STALL of the allowed rate, up to
 # LEAST_TOTAL: what the fast path's detector lets through before it cuts anyway (its bucket,
-# ``bursts.THRESHOLD_MIN``). From about 500 Mbit/s the budget gives more; the burst bounds
+# 64 KiB). From about 500 Mbit/s the budget gives more; the burst bounds
 # (``most``) cap it like the rest. Measured on the peers bench (40 Mbit/s links, where a
 # millisecond is 4 segments; 25 daemons on 2 cores): the last node at 24 nodes 2.32-2.49 S/B
 # against 2.79-3.04 without, the same at 8 nodes. On a link of 500 Mbit/s or more 64 KiB is
 # within the budget at the link's rate, whatever rate the controller allows the pull.
 READER_STALL = 0.020
-LEAST_TOTAL = 64 * 2**10
+LEAST_TOTAL = THRESHOLD_MIN
 # What a window granted still arrives after a cut (Linux never retracts one; 6.5's
 # tcp_shrink_window is off by default): a burst that starts then waits behind it. So what the
 # pull's windows put in a burst's way stays under this share of the smallest burst the policy

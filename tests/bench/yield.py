@@ -265,7 +265,7 @@ class Bursts:
 
     @property
     def first(self) -> float:
-        return max(self.seconds[i] for i in self.firsts if i < len(self.seconds))
+        return max(self.seconds[i] for i in self.firsts)
 
     @property
     def p50(self) -> float:
@@ -286,7 +286,6 @@ class PullerRun:
     notes: list[str] = field(default_factory=list)
 
 
-
 def restart_times(log: str, offset: float) -> list[float]:
     """When a puller's loop started the pull again (its RESTARTED lines carry the wall clock),
     on this process's monotonic clock (``offset``: wall minus monotonic, taken now).
@@ -301,6 +300,7 @@ def restart_times(log: str, offset: float) -> list[float]:
             with contextlib.suppress(ValueError):
                 out.append(float(parts[1]) - offset)
     return out
+
 
 # --- the benchmark ----------------------------------------------------------------------------
 class Bench:
