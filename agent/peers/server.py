@@ -24,8 +24,9 @@ Who waits, and for what (``agent.peers.swarm`` says why):
   one more request is 429 at once, and the neighbour asks another holder. (A node that held
   its neighbours' streams while its own waited on them could deadlock with them.)
 * a **cache** (a node outside the swarm) waits on no node: it holds its cluster's requests
-  until the piece lands (up to ``peers.wait``; the piece goes first in its pull) and queues
-  them for its send slots: its uplink is the cluster's way in, and it must never idle.
+  until the piece lands (up to ``peers.wait``; the piece goes first in its pull), and only
+  then queues them for its send slots: its uplink is the cluster's way in, and it must
+  never idle, nor keep a piece that is here waiting behind one that is not.
 * anyone else is held while a stream here has the piece in hand.
 
 Bounded: at most ``peers.connections`` connections at once (more are closed at once: the
@@ -338,6 +339,14 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
             # slots: it waits on no node, and its uplink is the cluster's one way in.
             peer = server.is_peer(self.client_address[0])
             swarmed = peer and server.in_swarm()
+            if peer and not swarmed and not head \
+                    and server.where(blob, f, pieces[0], offer, hold=ANY) is None:
+                # A cache waits for the piece before it takes a send slot: a slot held for a
+                # piece still on its way from the origin kept the pieces already here (and
+                # their nodes, and every node behind those) waiting, while the uplink sent
+                # fewer pieces at once than it could.
+                return self._answer(503, b"not verified here in time\n", head,
+                                    {"Retry-After": "1"})
             if peer:
                 got = server.sending.acquire(blocking=False) if swarmed \
                     else server.sending.acquire(timeout=server.wait())

@@ -14,6 +14,7 @@ from agent.blob_id import blob_id
 from agent.manifest import FileEntry, Manifest, Piece, to_json
 from agent.peers.catalog import Catalog
 from agent.peers.server import PeerServer
+from agent.peers.swarm import SEND_AT_ONCE
 from agent.pull.demand import Demand
 from agent.store import Store
 from agent.yielding.ratelimit import TokenBucket
@@ -117,8 +118,8 @@ def test_a_piece_in_hand_is_held_until_it_lands(bed):
     with catalog.offering(m, to_json(m)):
         demand.attach(pull, [pull.blob])
         pull.in_hand.add(2 * PIECE)
+        t0 = time.monotonic()       # before the timer starts: it lands 0.3 s after that
         threading.Timer(0.3, pull.land, args=(2 * PIECE,)).start()
-        t0 = time.monotonic()
         status, _, body = get(server, "/m/v1/w.bin", {"Range": f"bytes={2 * PIECE}-"
                                                                f"{3 * PIECE - 1}"})
         assert status == 206 and body == DATA[2 * PIECE:3 * PIECE]
@@ -175,12 +176,41 @@ def test_a_cache_holds_its_cluster_until_the_piece_lands_and_sends_one_at_a_time
     server.is_peer = lambda address: True        # a cache (outside the swarm) and its nodes
     with catalog.offering(m, to_json(m)):
         demand.attach(pull, [pull.blob])
-        threading.Timer(0.3, pull.land, args=(3 * PIECE,)).start()
         t0 = time.monotonic()
+        threading.Timer(0.3, pull.land, args=(3 * PIECE,)).start()
         status, _, body = get(server, "/m/v1/w.bin", {"Range": f"bytes={3 * PIECE}-"})
         assert status == 206 and body == DATA[3 * PIECE:]
         assert time.monotonic() - t0 >= 0.3      # not in any stream's hand: held all the same
         assert 3 * PIECE in pull.wanted           # ...and put first in the cache's pull
+
+
+def test_a_cache_sends_a_piece_it_has_while_its_send_slots_wait_for_one_it_has_not(bed):
+    server, catalog, demand, pull, m = bed
+    server.is_peer = lambda address: True        # a cache (outside the swarm) and its nodes
+    with catalog.offering(m, to_json(m)):
+        demand.attach(pull, [pull.blob])
+        # More nodes than send slots ask for a piece still on its way from the origin...
+        held = [threading.Thread(target=get, args=(server, "/m/v1/w.bin",
+                                                   {"Range": f"bytes={3 * PIECE}-"}))
+                for _ in range(SEND_AT_ONCE + 1)]
+        for t in held:
+            t.start()
+        while pull.wanted.count(3 * PIECE) < len(held):
+            time.sleep(0.01)
+        pull.land(PIECE)
+        later = threading.Timer(5.0, pull.land, args=(3 * PIECE,))
+        later.start()
+        try:
+            # ...and one asks for a piece that is here: it goes out before the other lands.
+            status, _, body = get(server, "/m/v1/w.bin",
+                                  {"Range": f"bytes={PIECE}-{2 * PIECE - 1}"})
+            assert status == 206 and body == DATA[PIECE:2 * PIECE]
+            assert 3 * PIECE not in pull.done
+        finally:
+            later.cancel()
+            pull.land(3 * PIECE)
+            for t in held:
+                t.join(10)
 
 
 def test_a_cache_names_the_version_it_pulls_and_looks_at_once_for_one_it_has_not_seen(tmp_path):
