@@ -182,12 +182,16 @@ class Scheduler:
         return True
 
     def jobs(self) -> dict[str, float | None]:
-        """job id -> next run (POSIX seconds), for status and tests."""
+        """job id -> next run (POSIX seconds), for status and tests; None while a one-shot job
+        runs and its next run isn't armed yet (APScheduler forgets a one-shot job as it starts
+        it: a model's job vanished from status for the part of each run before it re-armed)."""
         out: dict[str, float | None] = {
             j.id: (j.next_run_time.timestamp() if j.next_run_time else None)
             for j in self._aps.get_jobs()}
         with self._lock:
             out.update((k, v.timestamp()) for k, v in self._deferred.items())
+            for k in self._in_run:
+                out.setdefault(k, None)
         return out
 
 

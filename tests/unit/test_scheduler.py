@@ -175,6 +175,25 @@ def test_a_job_armed_by_another_thread_while_it_runs_runs_again_once_it_returns(
     assert not [r for r in caplog.records if "maximum number of running" in r.getMessage()]
 
 
+def test_a_one_shot_job_shows_while_it_runs_before_it_arms_its_next_run(make_scheduler):
+    # status lists a model's job throughout (docs/status.md: null while it runs), not only
+    # once the run has armed the next one
+    s = make_scheduler()
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+
+    s.at(time.time(), job, job_id="model:v")
+    assert started.wait(5)
+    try:
+        assert s.jobs().get("model:v", 0.0) is None
+    finally:
+        release.set()
+    assert wait_for(lambda: "model:v" not in s.jobs())
+
+
 def test_a_cancelled_job_skipped_meanwhile_stays_cancelled(make_scheduler):
     s = make_scheduler()
     runs: list[float] = []
