@@ -339,14 +339,16 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
             # slots: it waits on no node, and its uplink is the cluster's one way in.
             peer = server.is_peer(self.client_address[0])
             swarmed = peer and server.in_swarm()
-            if peer and not swarmed and not head \
-                    and server.where(blob, f, pieces[0], offer, hold=ANY) is None:
+            first: str | None = None
+            if peer and not swarmed and not head:
                 # A cache waits for the piece before it takes a send slot: a slot held for a
                 # piece still on its way from the origin kept the pieces already here (and
                 # their nodes, and every node behind those) waiting, while the uplink sent
                 # fewer pieces at once than it could.
-                return self._answer(503, b"not verified here in time\n", head,
-                                    {"Retry-After": "1"})
+                first = server.where(blob, f, pieces[0], offer, hold=ANY)
+                if first is None:
+                    return self._answer(503, b"not verified here in time\n", head,
+                                        {"Retry-After": "1"})
             if peer:
                 got = server.sending.acquire(blocking=False) if swarmed \
                     else server.sending.acquire(timeout=server.wait())
@@ -358,7 +360,7 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
             # swarm member holds a non-peer's only while the piece is in hand, a peer's not.
             hold = ANY if not server.in_swarm() else NO if peer else IN_HAND
             try:
-                self._send_file(f, blob, offer, pieces, start, end, ranged, head, hold)
+                self._send_file(f, blob, offer, pieces, start, end, ranged, head, hold, first)
             finally:
                 if peer:
                     server.sending.release()
@@ -366,8 +368,10 @@ def _handler(server: PeerServer) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _send_file(self, f: FileEntry, blob: str, offer: Offer, pieces: list[Piece],
                        start: int, end: int, ranged: str | None, head: bool,
-                       hold: str) -> None:
-            first = server.where(blob, f, pieces[0], offer, hold=hold)
+                       hold: str, first: str | None = None) -> None:
+            """``first``: where the first piece is, when the caller waited for it already."""
+            if first is None:
+                first = server.where(blob, f, pieces[0], offer, hold=hold)
             if first is None:
                 return self._answer(503, b"not verified here in time\n", head,
                                     {"Retry-After": "1"})
