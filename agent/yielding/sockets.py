@@ -88,13 +88,16 @@ QUEUE_BUDGET = 0.001             # the policy's default (backoff.queue_budget)
 # What the windows cover at least, on any link: on a slow one the budget's millisecond is a few
 # segments, and a reader that stalls for longer (a busy CPU, the GIL: a Python thread's wake-ups
 # came late by p99 2.4 ms alone and 22 ms behind another thread of the process) leaves the link
-# idle. So the queue they may keep is at least READER_STALL of the allowed rate, up to
-# LEAST_TOTAL: what the fast path's detector lets through before it cuts anyway (its bucket,
-# 64 KiB). From about 500 Mbit/s the budget gives more; the burst bounds
-# (``most``) cap it like the rest. Measured on the peers bench (40 Mbit/s links, where a
-# millisecond is 4 segments; 25 daemons on 2 cores): the last node at 24 nodes 2.32-2.49 S/B
-# against 2.79-3.04 without, the same at 8 nodes. On a link of 500 Mbit/s or more 64 KiB is
-# within the budget at the link's rate, whatever rate the controller allows the pull.
+# idle. So the queue they may keep is at least READER_STALL of the allowed rate, up to the
+# larger of LEAST_TOTAL (what the fast path's detector lets through before it cuts anyway: its
+# bucket, 64 KiB) and what the burst rule allows the windows together (``most_in_flight``:
+# BURST_SHARE of the policy's smallest burst, 120 kB for the default 4 MB): a floor that slows
+# the smallest burst no more than the windows of a 1 Gbit/s link already may. From about
+# 1 Gbit/s the budget gives more; the burst bounds (``most``) cap it like the rest while the
+# node trains. Measured on the peers bench (40 Mbit/s links, where a millisecond is 4
+# segments; 25 daemons on 2 cores): 64 KiB took the last node at 24 nodes from 2.79-3.04 S/B
+# to 2.32-2.49; 100 kB (issue 27, 2026-12-07) from 2.09-2.32 to 1.90-1.97, the same session;
+# at 8 and 16 nodes no change.
 READER_STALL = 0.020
 LEAST_TOTAL = THRESHOLD_MIN
 # What a window granted still arrives after a cut (Linux never retracts one; 6.5's
@@ -150,10 +153,10 @@ class StreamsSample:
 
 def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
                mss: int = DEFAULT_MSS, budget_s: float = QUEUE_BUDGET,
-               most: int | None = None) -> int | None:
+               most: int | None = None, least: int = LEAST_TOTAL) -> int | None:
     """Bytes each of ``streams`` sockets may have in flight so that together they carry
     ``rate_bps`` over ``base_rtt_s`` while queueing at most ``budget_s`` of it (or
-    ``READER_STALL`` of it, up to ``LEAST_TOTAL`` bytes, when that is more), and together
+    ``READER_STALL`` of it, up to ``least`` bytes, when that is more), and together
     hold at most ``most`` bytes (``BURST_SHARE`` of the smallest burst); at least
     ``MIN_SEGMENTS`` segments each. None: no rate, no clamp.
 
@@ -161,6 +164,8 @@ def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
     16407
     >>> window_for(4 * 10**7, 50e-6, 2)   # 40 Mbit/s: 50 us + 64 KiB (a reader's stall), not 1 ms
     32893
+    >>> window_for(4 * 10**7, 50e-6, 2, least=120_000)   # 20 ms, under 3% of a 4 MB burst
+    50125
     >>> window_for(10**7, 50e-6, 8)       # 10 Mbit/s: the floor of four segments
     5792
     >>> window_for(10**11, 50e-6, 8, most=120_000)   # 100 Gbit/s, 3% of a 4 MB burst in all
@@ -169,7 +174,7 @@ def window_for(rate_bps: int | None, base_rtt_s: float | None, streams: int,
     if rate_bps is None:
         return None
     rtt = max(0.0, base_rtt_s or 0.0)
-    queue = max(rate_bps / 8 * budget_s, min(LEAST_TOTAL, rate_bps / 8 * READER_STALL))
+    queue = max(rate_bps / 8 * budget_s, min(least, rate_bps / 8 * READER_STALL))
     total = rate_bps / 8 * rtt + queue
     if most:
         total = min(total, most)
@@ -373,6 +378,7 @@ class PullSockets:
         self._applied_n = _active(live, now)
         most = (None if not self._guarded else self.most if self._announced
                 else most_unannounced(self.most, self._bucket))
+        least = max(LEAST_TOTAL, self.most or 0)   # the stall floor's cap: the burst rule's
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:
@@ -382,7 +388,7 @@ class PullSockets:
                 entry.mss = info.advmss if info is not None and info.advmss else DEFAULT_MSS
             # Each socket carries its share of the rate over its own path's round trip.
             window = window_for(self._rate, entry.base, self._applied_n, mss=entry.mss,
-                                budget_s=self.budget_s, most=most)
+                                budget_s=self.budget_s, most=most, least=least)
             if window is not None:
                 largest = max(largest or 0, window)
             # No rate: the window autotuning would reach at most (a fixed buffer can't be
@@ -400,7 +406,8 @@ class PullSockets:
                 continue
             entry.applied = want
         self._window = largest if live else window_for(self._rate, None, 0,
-                                                       budget_s=self.budget_s, most=most)
+                                                       budget_s=self.budget_s, most=most,
+                                                       least=least)
 
 
 def most_in_flight(backoff: Backoff) -> int | None:

@@ -256,6 +256,29 @@ def test_a_node_without_training_lifts_the_bound():
     assert reg.sample().window == 120_000
 
 
+def test_a_slow_links_stall_floor_reaches_up_to_the_burst_rules_share():
+    """Issue 27: on a slow link the windows keep 20 ms of the rate for a stalled reader, up to
+    what the burst rule allows them together (3% of the smallest burst: 120 kB), not only the
+    detector's 64 KiB; a policy that names no burst keeps 64 KiB. Training bounds them as
+    before, and a rate backed off to a trickle keeps 20 ms of that trickle."""
+    reg = PullSockets()
+    reg.configure(Backoff())                                  # smallest burst 4 MB
+    reg.guard(False)
+    reg.set_rate(40 * M)
+    assert reg.sample().window == window_for(40 * M, None, 0, least=120_000) == 100_000
+    reg.set_rate(100 * M)
+    assert reg.sample().window == 120_000                     # 20 ms would be 250 kB
+    reg.set_rate(2 * M)
+    assert reg.sample().window == MIN_SEGMENTS * 1448        # 20 ms of 2 Mbit/s is 5 kB
+    reg.configure(Backoff(smallest_burst=None))
+    reg.set_rate(100 * M)
+    assert reg.sample().window == 64 * 1024
+    reg.configure(Backoff())
+    reg.expect_cuts(64 * 1024)
+    reg.guard(True, announced=False)                          # training: its bound holds
+    assert reg.sample().window == 43_616
+
+
 def test_bursts_that_come_unannounced_meet_smaller_windows():
     """A burst the detector sees meets the windows twice (the queue at its start, what they
     granted before the cut) and about half the bucket: twice the windows and half the bucket
