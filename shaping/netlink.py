@@ -266,16 +266,19 @@ class Netlink:
         read stretched by the scheduler is done again (at 1 Gbit/s, 10 ms between the reads of
         one tick and not of the next is 100 Mbit/s of phantom traffic over a 100 ms tick: a
         false backoff, measured before this), so the error stays under the link's rate times
-        ``READ_SPAN`` per tick."""
+        ``READ_SPAN`` per tick. The span is the filters' dump and the qdiscs' up to the ingress
+        qdisc's message, in that order: a qdisc dump carries every qdisc of the namespace
+        (``_ingress_seen``), and what comes after this link's is no part of the error."""
         best: tuple[float, int, int] | None = None
         for _ in range(READ_ATTEMPTS):
             started = self.clock()
-            seen = self._ingress_seen(index)
-            if seen is None:
-                return None
             redirected = sum(mirred_bytes(raw, index)
                              for raw in self._dump(RTM_GETTFILTER, index, 0xFFFF0000))
-            span = self.clock() - started
+            got = self._ingress_seen(index)
+            if got is None:
+                return None
+            seen, at = got
+            span = at - started
             if best is None or span < best[0]:
                 best = (span, seen, redirected)
             if span <= READ_SPAN:
@@ -283,12 +286,17 @@ class Netlink:
         assert best is not None
         return best[1], best[2]
 
-    def _ingress_seen(self, index: int) -> int | None:
+    def _ingress_seen(self, index: int) -> tuple[int, float] | None:
+        """(bytes, when its message came) of link ``index``'s ingress qdisc."""
+        # Linux (6.1 as this machine's) answers a qdisc dump with every qdisc of the namespace,
+        # whatever link it names: on a stock host, an mq root and a child per transmit queue
+        # for each multiqueue NIC, hundreds on a node of several. Only the ingress one of this
+        # link is decoded (tests/bench/link_counters.py).
         seen = None
-        for raw in self._dump(RTM_GETQDISC, index, 0):
+        for raw in self._stream(RTM_GETQDISC, index, 0, only=(index, TC_H_INGRESS)):
             got = ingress_bytes(raw, index)
             if got is not None:
-                seen = got
+                seen = (got, self.clock())
         return seen
 
     def _qdiscs(self, index: int) -> Iterator[Qdisc]:
@@ -454,30 +462,49 @@ class Netlink:
                     raise tc_error(code, _ext_ack(body, mflags), what, kind, msg_type)
                 return
 
-    def _dump(self, msg_type: int, index: int, parent: int) -> list[bytes]:
-        """Raw messages of one dump (recorded as-is under tests/unit/data/netlink/)."""
+    def _dump(self, msg_type: int, index: int, parent: int,
+              only: tuple[int, int] | None = None) -> list[bytes]:
+        """Raw messages of one dump (recorded as-is under tests/unit/data/netlink/). With
+        ``only`` (a link index and a parent), just that tc object's messages: the others are
+        passed over by their headers, never copied or decoded."""
+        return list(self._stream(msg_type, index, parent, only))
+
+    def _stream(self, msg_type: int, index: int, parent: int,
+                only: tuple[int, int] | None = None) -> Iterator[bytes]:
+        """``_dump``'s messages as they come (read it to its end: the dump must be drained)."""
         seq = next(self._seq)
         # A bare tcmsg, packed by hand: this runs every backoff tick (pyroute2's encoder costs
         # more than the dump itself).
         self._sock.send(struct.pack("=IHHII", 16 + _TCMSG.size, msg_type,
                                     NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
                         + _TCMSG.pack(socket.AF_UNSPEC, index, 0, parent, 0))
-        out = []
-        for mtype, mflags, mseq, body in self._replies():
+        tcmsg = _TCMSG.unpack_from
+        for mtype, mflags, mseq, data, start, end in self._frames():
             if mseq != seq:
                 continue
             if mtype == NLMSG_DONE:
                 break
             if mtype == NLMSG_ERROR:
-                code = -struct.unpack_from("=i", body)[0]
+                code = -struct.unpack_from("=i", data, start)[0]
                 if code:
-                    raise tc_error(code, _ext_ack(body, mflags), "reading tc state", "",
-                                    msg_type)
+                    raise tc_error(code, _ext_ack(data[start:end], mflags), "reading tc state",
+                                   "", msg_type)
                 break
-            out.append(struct.pack("=IHHII", 16 + len(body), mtype, 0, mseq, 0) + body)
-        return out
+            if only is not None:
+                if end - start < _TCMSG.size:
+                    continue
+                _family, owner, _handle, of, _info = tcmsg(data, start)
+                if (owner, of) != only:
+                    continue
+            yield struct.pack("=IHHII", 16 + end - start, mtype, 0, mseq, 0) + data[start:end]
 
     def _replies(self) -> Iterator[tuple[int, int, int, bytes]]:
+        for mtype, flags, seq, data, start, end in self._frames():
+            yield mtype, flags, seq, data[start:end]
+
+    def _frames(self) -> Iterator[tuple[int, int, int, bytes, int, int]]:
+        """(type, flags, sequence, the datagram, where the body starts, where it ends) of each
+        message received, the body left in place."""
         while True:
             try:
                 # Into one buffer kept for the socket's life: a fresh 1 MiB per recv (mapped,
@@ -487,11 +514,11 @@ class Netlink:
                 raise ShapingError("netlink: no answer from the kernel within 10 s") from None
             data = bytes(memoryview(self._buf)[:n])
             off = 0
-            while off + 16 <= len(data):
-                length, mtype, flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
-                if length < 16:
+            while off + 16 <= n:
+                length, mtype, flags, seq, _pid = _NLMSGHDR.unpack_from(data, off)
+                if length < 16 or off + length > n:
                     break
-                yield mtype, flags, seq, data[off + 16:off + length]
+                yield mtype, flags, seq, data, off + 16, off + length
                 off += (length + 3) & ~3
 
 
@@ -587,6 +614,7 @@ TCA_STATS_RATE_EST64, TCA_STATS_PKT64 = 5, 8
 TCA_HTB_PARMS, TCA_HTB_RATE64, TCA_HTB_CEIL64 = 1, 6, 7
 TCA_U32_ACT = 7
 TCA_ACT_KIND, TCA_ACT_STATS = 1, 4
+_NLMSGHDR = struct.Struct("=IHHII")                              # length, type, flags, seq, pid
 _TCMSG = struct.Struct("=BxxxiIII")                              # family, index, handle, parent,
 _NLA = struct.Struct("=HH")                                      # info
 _BASIC = struct.Struct("=QI")                                    # struct gnet_stats_basic

@@ -159,3 +159,45 @@ def test_class_counters_decoded_by_hand_match_pyroute2():
         assert (st["bytes"], st["packets"]) == struct.unpack_from("=QI", basic)
         _qlen, backlog, drops, _req, overlimits = struct.unpack_from("=IIIII", queue)
         assert (st["backlog"], st["drops"], st["overlimits"]) == (backlog, drops, overlimits)
+
+
+def test_a_qdisc_dump_of_a_crowded_namespace_decodes_only_the_ingress_it_reads():
+    """Linux answers a qdisc dump with every qdisc of the namespace, whatever link it names (a
+    stock multiqueue NIC: an mq root and a child per queue). The counters read every tick take
+    the ingress qdisc of their link and pass over the rest by their headers."""
+    import itertools
+    import socket
+    import struct
+
+    from shaping.netlink import NLMSG_DONE, RTM_GETQDISC, TC_H_INGRESS, Netlink
+
+    def answer(seq: int, copies: int, name: str = "qdiscs_ingress_counters") -> bytes:
+        # The recorded dump, its messages repeated as a crowded namespace's would be, then
+        # DONE, all under the request's sequence number.
+        msgs = raws(name)
+        crowd = [m for m in msgs if struct.unpack_from("=i", m, 20)[0] != 2] * copies
+        out = b""
+        for m in crowd + msgs + [struct.pack("=IHHII", 20, NLMSG_DONE, 2, 0, 0) + bytes(4)]:
+            m = m[:8] + struct.pack("=I", seq) + m[12:]
+            out += m + bytes(-len(m) % 4)
+        return out
+
+    with Netlink() as nl:
+        kernel, nl._sock = nl._sock, None
+        kernel.close()
+        nl._sock, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        with peer:
+            nl._seq = itertools.count(7)
+            peer.send(answer(7, 100))
+            assert nl._ingress_seen(2)[0] == 12656567
+            peer.send(answer(8, 100))
+            assert nl._dump(RTM_GETQDISC, 2, 0, only=(3, TC_H_INGRESS)) == []
+            peer.send(answer(9, 0))
+            everything = nl._dump(RTM_GETQDISC, 2, 0)
+            assert [m[16:] for m in everything] == [m[16:] for m in
+                                                    raws("qdiscs_ingress_counters")]
+            # A tick's read: the ingress filters' mirred bytes, then the qdiscs' dump.
+            peer.send(answer(10, 0, "filters_ingress_counters"))
+            peer.send(answer(11, 100))
+            assert nl.ingress_counters(2) == (12656567, 57079)
+
