@@ -180,7 +180,11 @@ class Shaper:
 
     def set_ceil(self, bits_per_s: int) -> None:
         """Move every distribution class's ceil now: one netlink request (and ack) per tree,
-        resending all of the class's parameters (the kernel resets any left out)."""
+        resending all of the class's parameters (the kernel resets any left out). Never past
+        what this shaper's policy allows: a backoff tick decided under the previous policy
+        can land just after a reload's apply, and put the old cap back until the next tick
+        (seen in CI: a reload from 40 to 20 Mbit/s, and tc read 40 right after it)."""
+        bits_per_s = min(bits_per_s, max(self._shaping.ceil, self._shaping.rate))
         trees = self._plan.trees()
         if not trees:
             self._live.ceil = bits_per_s

@@ -201,3 +201,28 @@ def test_a_qdisc_dump_of_a_crowded_namespace_decodes_only_the_ingress_it_reads()
             peer.send(answer(11, 100))
             assert nl.ingress_counters(2) == (12656567, 57079)
 
+
+def test_a_ceil_set_past_the_shapers_policy_stays_at_the_policys():
+    """A backoff tick decided under the previous policy may set its ceil just after a reload
+    applied a lower one: the shaper of the new policy holds its own bound."""
+    from shaping.shaper import Shaper
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.ceils: list[int] = []
+
+        def set_class(self, index: int, cls) -> None:
+            self.ceils.append(cls.ceil)
+
+        def index(self, name: str) -> int:
+            return 3
+
+    nl = Recorder()
+    policy = Shaping(enabled=True, interfaces=("veth0",), link_rate=GBIT, ceil=20 * 10**6,
+                     serve_ports=(8080,))
+    shaper = Shaper(policy, (), "/nonexistent", netlink=lambda: nl)
+    shaper.set_ceil(40 * 10**6)
+    assert shaper.ceil == 20 * 10**6 and set(nl.ceils) == {20 * 10**6}
+    shaper.set_ceil(5 * 10**6)
+    assert shaper.ceil == 5 * 10**6 and nl.ceils[-1] == 5 * 10**6
+
