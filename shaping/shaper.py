@@ -80,8 +80,11 @@ class Shaper:
     @property
     def ceil(self) -> int:
         """The distribution classes' ceil now: the last set_ceil(), else the policy's."""
-        return self._live.ceil if self._live.ceil is not None else max(self._shaping.ceil,
-                                                                       self._shaping.rate)
+        return self._live.ceil if self._live.ceil is not None else self._policy_ceil
+
+    @property
+    def _policy_ceil(self) -> int:
+        return max(self._shaping.ceil, self._shaping.rate)
 
     def plan(self) -> TcPlan:
         """The policy's plan, with the ceil the backoff controller last set."""
@@ -184,7 +187,7 @@ class Shaper:
         what this shaper's policy allows: a backoff tick decided under the previous policy
         can land just after a reload's apply, and put the old cap back until the next tick
         (seen in CI: a reload from 40 to 20 Mbit/s, and tc read 40 right after it)."""
-        bits_per_s = min(bits_per_s, max(self._shaping.ceil, self._shaping.rate))
+        bits_per_s = min(bits_per_s, self._policy_ceil)
         trees = self._plan.trees()
         if not trees:
             self._live.ceil = bits_per_s

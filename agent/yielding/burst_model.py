@@ -56,7 +56,12 @@ from agent.policy.model import Backoff
 from agent.yielding.bursts import BurstState, Sustained, rhythm_for, settings_for
 from agent.yielding.controller import Controller
 from agent.yielding.detect.readings import LinkReading, Readings
-from agent.yielding.sockets import LEAST_TOTAL, most_in_flight, most_unannounced, window_for
+from agent.yielding.sockets import (
+    most_in_flight,
+    most_unannounced,
+    stall_cap,
+    window_for,
+)
 
 FINE_STEPS = 400          # steps over a burst's own time (size / C)
 COARSE_PER_TICK = 10      # steps per controller tick in the gaps
@@ -121,7 +126,7 @@ def window_total(rate_bps: int | None, path: Link, backoff: Backoff,
     most = most_in_flight(backoff)
     per = window_for(rate_bps, path.base_rtt, STREAMS, budget_s=backoff.queue_budget,
                      most=most if announced else most_unannounced(most, bucket),
-                     least=max(LEAST_TOTAL, most or 0))
+                     least=stall_cap(most))
     return math.inf if per is None else float(per * STREAMS)
 
 

@@ -378,7 +378,7 @@ class PullSockets:
         self._applied_n = _active(live, now)
         most = (None if not self._guarded else self.most if self._announced
                 else most_unannounced(self.most, self._bucket))
-        least = max(LEAST_TOTAL, self.most or 0)   # the stall floor's cap: the burst rule's
+        least = stall_cap(self.most)
         largest: int | None = None
         for sock, entry in live:
             if entry.base is None:
@@ -417,6 +417,13 @@ def most_in_flight(backoff: Backoff) -> int | None:
     if not backoff.smallest_burst:
         return None
     return max(1, int(BURST_SHARE * backoff.smallest_burst))
+
+
+def stall_cap(most: int | None) -> int:
+    """The most the reader-stall floor asks of the windows together (``window_for``'s
+    ``least``): the detector's bucket, or the burst rule's share (``most_in_flight``) when
+    that is more."""
+    return max(LEAST_TOTAL, most or 0)
 
 
 def most_unannounced(most: int | None, bucket: int | None) -> int | None:
