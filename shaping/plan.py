@@ -9,7 +9,7 @@ One tree per direction, same shape on both::
     htb 5747: (default 5747:10)            on eth0 (egress, serving ports)
      └─ 5747:1   rate = ceil = link_rate       or on the IFB wg-eth0 (ingress, pulled ports)
          ├─ 5747:10  default:      prio 0, rate link_rate - dist rate, ceil link_rate
-         └─ 5747:20  distribution: prio 7, rate 10mbit, ceil 500mbit   <- u32 sport filters
+         └─ 5747:20  distribution: prio 7, rate 0.2% (2mbit), ceil 500mbit  <- u32 sport filters
 
 Ingress: ``ingress`` qdisc on eth0 whose u32 filters match only distribution traffic (TCP from a
 pulled port, IPv4 and IPv6, the same keys as the HTB filters) and redirect it (mirred egress) to

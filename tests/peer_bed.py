@@ -103,7 +103,7 @@ class PeerCluster(DaemonHosts):
             "poll_interval": s.poll,
             "pulls": {"piece_size": "1MiB"},
             "shaping": {"enabled": True, "interfaces": ["eth0"], "link_rate": s.link,
-                        "serve_ports": [8080], "rate": "1mbit"},
+                        "serve_ports": [8080]},
             # The backoff runs (it sizes the pulls' receive windows); without a training flow
             # its link detector stays out of the way (the training-flow test turns it on).
             # A tick of 200 ms, as the emulated fleet's: 25 daemons share this machine's two

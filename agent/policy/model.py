@@ -171,7 +171,10 @@ class Shaping:
     pull_ports: tuple[int, ...] = ports_field(())
     # matched as source port on egress; empty: no egress tree
     serve_ports: tuple[int, ...] = ports_field(())
-    rate: int | Share = share_field(10**7)     # the distribution class's guaranteed rate
+    # the distribution class's guaranteed rate: on egress, all that training can't take from
+    # an upload (HTB lends the rest to the default class first, within a packet's time), so
+    # a share as small as the backoff's floor; 10 Mbit/s was 25% of a 40 Mbit/s link
+    rate: int | Share = share_field(Share(0.2))
     # the distribution class's cap: by default the whole link, the backoff keeps it off training
     ceil: int | Share = share_field(Share(100.0))
     # HTB prio of the distribution class (0 highest, 7 lowest)
@@ -183,7 +186,10 @@ class Shaping:
             object.__setattr__(self, "enabled", bool(self.interfaces))
         # Shares of the link become bits/s here, so the rest of wagent only sees rates.
         for name in ("rate", "ceil"):
-            object.__setattr__(self, name, resolve_rate(getattr(self, name), self.link_rate))
+            value = getattr(self, name)
+            bps = resolve_rate(value, self.link_rate)
+            # a share of a very slow link still makes a class: HTB takes a byte a second at least
+            object.__setattr__(self, name, max(bps, 8) if isinstance(value, Share) else bps)
 
 
 @dataclass(frozen=True)

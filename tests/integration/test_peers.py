@@ -8,7 +8,7 @@ prints the figures; here, loosely, that it holds together:
   other; every file's bytes are the publisher's;
 * a node killed mid-pull: the others finish through the rest of the swarm;
 * a training flow from a node that uploads to its neighbours keeps its rate (the upload is
-  distribution traffic in wagent's egress tree, and the backoff sees the training port).
+  distribution traffic in wagent's egress tree, which lends the link to training first).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def test_a_cluster_serves_itself_survives_a_kill_and_yields_to_training(testbed)
         assert by.get("origin", 0) == 0, by
         served = (c.status(trainer) or {}).get("peers") or {}
         assert served.get("served_bytes", 0) > 0, served
-        assert beside >= 0.95 * alone, (beside, alone)   # the bench holds the 98% target
+        # HTB lends the uploading node's link to training first; the upload keeps 0.2% of it
+        assert beside >= 0.97 * alone, (beside, alone)   # the bench holds the 98% target
         print(f"\ntraining flow kept {beside / alone:.1%}; bytes by source {by}; the last node "
               f"started {late:.2f} s after the cache")
     finally:

@@ -125,6 +125,17 @@ def test_no_serve_ports_no_egress_tree_and_pull_ports_from_sources():
     assert build_plan(shaping(serve_ports=(), pull_ports=())).interfaces[0].ingress is None
 
 
+@pytest.mark.parametrize("link", [2000, 40 * MBIT, GBIT, 100 * GBIT])
+def test_by_default_training_can_take_all_but_a_sliver_of_an_upload_at_any_link_rate(link):
+    # HTB lends the link to the default class (prio 0) before the distribution class; all that
+    # an upload keeps from training is its guaranteed rate: 0.2% of the link by default (a
+    # fixed 10 Mbit/s was 25% of a 40 Mbit/s link), and a slow link's share still makes a class.
+    s = Shaping(enabled=True, interfaces=("eth0",), link_rate=link, serve_ports=(8080,))
+    root, default, dist = build_plan(s).interfaces[0].egress.classes
+    assert dist.rate == max(8, link // 500) and (default.prio, dist.prio) == (0, 7)
+    assert default.rate + dist.rate == root.rate == link
+
+
 @pytest.mark.parametrize("rate", [MBIT, 50 * MBIT, 25 * GBIT, 100 * GBIT, 400 * GBIT])
 def test_burst_and_quantum_sane_across_rates(rate):
     link = rate * 2

@@ -45,7 +45,8 @@ def test_counters_grouped_by_tree_with_the_live_ceil():
     assert (egress.name, egress.direction, egress.device) == ("eth0", "egress", "eth0")
     default, dist = ingress.classes
     assert dist.name == "distribution" and dist.bytes == 1000 and dist.drops == 1
-    assert dist.ceil_bps == 10_000_000 and dist.rate_bps == 10_000_000 and dist.est_bps == 8000
+    # the default guaranteed rate: 0.2% of the 1 Gbit/s link
+    assert dist.ceil_bps == 10_000_000 and dist.rate_bps == 2_000_000 and dist.est_bps == 8000
     assert default.ceil_bps == 1_000_000_000
     assert [c.bytes for c in egress.classes] == [7]
 
