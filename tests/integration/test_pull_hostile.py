@@ -4,6 +4,7 @@ balanced backends, a file republished in place, credentials in the source URL, m
 break the parser; and the CLI stopped by SIGTERM or Ctrl-C whatever it is blocked on, and the
 daemon's pull worker held by one stuck source."""
 
+import contextlib
 import json
 import logging
 import os
@@ -91,9 +92,9 @@ def test_a_trickled_manifest_body_is_cut_at_its_deadline(origin, tmp_path):
 
 
 # -- the CLI, stopped by a signal ------------------------------------------------------------------
-def cli(*args: str, **popen: object) -> subprocess.Popen:
+def cli(*args: str, env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "agent", *args], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, **popen)
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, **popen)
 
 
 def wait_for(predicate, timeout: float = 30.0) -> None:
@@ -117,15 +118,26 @@ def test_a_signal_ends_a_cli_pull_within_two_seconds(origin, tmp_path, case, fau
     store = tmp_path / "store"
     after = 4 if case == "streams" else 0
     with FaultyServer(origin, fault, fault_on=fault_on, after=after, **SLOW_HEADERS) as srv:
+        # With faulthandler: a pull still there 30 s after the signal is aborted, and its
+        # stderr says where each of its threads waited (a CI run once saw it, and no re-run).
         p = cli("pull", f"{srv.url}/{url}", "--store", str(store), "--streams", "2", "-q",
-                *extra, stderr=subprocess.PIPE)
+                *extra, stderr=subprocess.PIPE, env={"PYTHONFAULTHANDLER": "1"})
         try:
             wait_for(lambda: sum(1 for path, _, _ in srv.requests
                                  if re.search(fault_on, path)) > after)
             time.sleep(0.5)                         # blocked in it by now
             sent = time.monotonic()
             p.send_signal(sig)
-            code = p.wait(30)
+            try:
+                code = p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+                p.kill()
+                p.wait()
+                pytest.fail(f"the pull did not end within 30 s of {sig.name}; its threads:\n"
+                            f"{p.stderr.read().decode(errors='replace')}")
             took = time.monotonic() - sent
         finally:
             p.kill()
