@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from agent.policy.model import Shaping, Source
+from agent.policy.model import LEAST_HTB_RATE, Shaping, Source
 from shaping.errors import PlanError
 from shaping.observed import FilterState, HtbClassState, U32Key
 
@@ -242,7 +242,7 @@ def htb_class(name: str, classid: int, parent: int, rate: int, ceil: int, prio: 
 
 def with_ceil(cls: HtbClass, ceil: int) -> HtbClass:
     """The class with a new ceil (the backoff controller's move); rate never above the ceil."""
-    if ceil < 8:
+    if ceil < LEAST_HTB_RATE:
         raise PlanError(f"ceil {ceil} bit/s is below 1 byte/s; the smallest usable cap is 8bit")
     rate = min(cls.rate, ceil)
     return replace(cls, rate=rate, ceil=ceil, burst=burst_for(rate), cburst=burst_for(ceil),
@@ -312,7 +312,7 @@ def build_plan(shaping: Shaping, sources: Sequence[Source] = ()) -> TcPlan:
 
 def _check_rates(s: Shaping) -> None:
     for key, value in (("link_rate", s.link_rate), ("rate", s.rate), ("ceil", s.ceil)):
-        if not isinstance(value, int) or value < 8:
+        if not isinstance(value, int) or value < LEAST_HTB_RATE:
             raise PlanError(f"shaping.{key}: {value!r} is not a rate of at least 8bit "
                             "(write e.g. 10gbit, 500mbit)")
     if s.rate >= s.link_rate:

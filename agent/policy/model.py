@@ -161,6 +161,9 @@ class Pulls:
     concurrent_models: int = field(default=2, metadata={"min": 1, "max": 64})
 
 
+LEAST_HTB_RATE = 8          # bits/s: HTB's classes take a byte a second at least
+
+
 @dataclass(frozen=True)
 class Shaping:
     # None: on when interfaces are named (naming them is the opt-in); false turns it off
@@ -188,8 +191,9 @@ class Shaping:
         for name in ("rate", "ceil"):
             value = getattr(self, name)
             bps = resolve_rate(value, self.link_rate)
-            # a share of a very slow link still makes a class: HTB takes a byte a second at least
-            object.__setattr__(self, name, max(bps, 8) if isinstance(value, Share) else bps)
+            # a share of a very slow link still makes a class
+            object.__setattr__(self, name,
+                               max(bps, LEAST_HTB_RATE) if isinstance(value, Share) else bps)
 
 
 @dataclass(frozen=True)

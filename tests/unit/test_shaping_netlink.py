@@ -225,4 +225,3 @@ def test_a_ceil_set_past_the_shapers_policy_stays_at_the_policys():
     assert shaper.ceil == 20 * 10**6 and set(nl.ceils) == {20 * 10**6}
     shaper.set_ceil(5 * 10**6)
     assert shaper.ceil == 5 * 10**6 and nl.ceils[-1] == 5 * 10**6
-
